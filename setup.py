@@ -1,0 +1,163 @@
+"""Build of torch-fastdp: one extension, ``fastdp._C``.
+
+CUDA build whenever torch is a CUDA build and a CUDA toolkit is found (a GPU need not be visible);
+CPU-only build otherwise.  Environment:
+
+  FASTDP_FORCE_CPU=1    CPU-only build even where CUDA is possible.
+  FASTDP_FORCE_CUDA=1   CUDA build or a loud failure saying why not.
+  DEBUG=1               -O0 -g instead of -O3.
+  NVCC_FLAGS            extra flags for nvcc.
+  TORCH_CUDA_ARCH_LIST  archs to build for; without a visible GPU the default is DEFAULT_ARCHS.
+  CUDA_HOME             toolkit root; found from the nvcc on PATH when unset (wrapper scripts too).
+"""
+
+import glob
+import os
+import re
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;9.0"
+
+
+def read_version() -> str:
+    with open(os.path.join(HERE, "fastdp", "_version.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
+def _is_toolkit(root: str) -> bool:
+    return os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")) and os.path.exists(
+        os.path.join(root, "bin", "nvcc")
+    )
+
+
+def find_cuda_home() -> str | None:
+    """The toolkit root. torch guesses dirname(dirname(which nvcc)), wrong for a wrapper script."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var) and _is_toolkit(os.environ[var]):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    candidates = []
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        candidates.append(os.path.dirname(os.path.dirname(real)))
+        try:
+            with open(real, "rb") as f:
+                head = f.read(4096)
+            if head.startswith(b"#!"):  # a wrapper: look for the nvcc it execs
+                for m in re.finditer(rb"(/[^\s\"']+)/bin/nvcc", head):
+                    candidates.append(m.group(1).decode())
+        except OSError:
+            pass
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in candidates:
+        if _is_toolkit(root):
+            return root
+    return None
+
+
+FORCE_CPU = os.environ.get("FASTDP_FORCE_CPU", "0") == "1"
+FORCE_CUDA = os.environ.get("FASTDP_FORCE_CUDA", "0") == "1"
+if FORCE_CPU and FORCE_CUDA:
+    sys.exit("setup.py: FASTDP_FORCE_CPU=1 and FASTDP_FORCE_CUDA=1 contradict each other")
+
+_cuda_home = None if FORCE_CPU else find_cuda_home()
+if _cuda_home:
+    os.environ["CUDA_HOME"] = _cuda_home  # before cpp_extension reads it at import
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+
+def want_cuda() -> bool:
+    if FORCE_CPU:
+        return False
+    why_not = None
+    if torch.version.cuda is None:
+        why_not = f"torch {torch.__version__} is not a CUDA build"
+    elif cpp_extension.CUDA_HOME is None or _cuda_home is None:
+        why_not = "no CUDA toolkit found (set CUDA_HOME to the toolkit root)"
+    if why_not and FORCE_CUDA:
+        sys.exit(f"setup.py: FASTDP_FORCE_CUDA=1 but {why_not}")
+    if why_not:
+        print(f"fastdp: CPU-only build: {why_not}", file=sys.stderr)
+    return why_not is None
+
+
+def wheel_nvidia_dirs() -> tuple[list[str], list[str]]:
+    """Headers and libraries that a pip CUDA torch ships in nvidia/* (cuBLAS, cuSPARSE, NCCL)."""
+    incs, libs = [], []
+    for site in sys.path:
+        base = os.path.join(site, "nvidia")
+        if not os.path.isdir(base):
+            continue
+        for sub in sorted(os.listdir(base)):
+            if os.path.isdir(os.path.join(base, sub, "include")):
+                incs.append(os.path.join(base, sub, "include"))
+            if os.path.isdir(os.path.join(base, sub, "lib")):
+                libs.append(os.path.join(base, sub, "lib"))
+        break
+    return incs, libs
+
+
+def sources(with_cuda: bool) -> list[str]:
+    srcs = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    if with_cuda:
+        srcs += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+    return srcs
+
+
+def make_extension():
+    with_cuda = want_cuda()
+    debug = os.environ.get("DEBUG", "0") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    macros = [("FASTDP_VERSION", f'"{read_version()}"')]
+    extra = {"cxx": opt + ["-Wall", "-Wno-unused-function"]}
+    include_dirs = [os.path.join(HERE, "csrc")]
+    library_dirs, libraries, link_args = [], [], []
+    if with_cuda:
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
+            if not visible:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+                print(f"fastdp: no GPU visible, TORCH_CUDA_ARCH_LIST={DEFAULT_ARCHS}", file=sys.stderr)
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
+        macros += [("WITH_CUDA", None), ("FASTDP_ARCH_LIST", f'"{archs}"')]
+        extra["nvcc"] = opt + ["-lineinfo"] + os.environ.get("NVCC_FLAGS", "").split()
+        incs, libs = wheel_nvidia_dirs()
+        include_dirs += incs
+        library_dirs += libs
+        if any(os.path.exists(os.path.join(d, "libnccl.so.2")) for d in libs):
+            link_args += ["-l:libnccl.so.2"]
+            macros += [("FASTDP_WITH_NCCL", None)]
+        elif any(os.path.exists(os.path.join(d, "libnccl.so")) for d in libs + ["/usr/lib64"]):
+            libraries += ["nccl"]
+            macros += [("FASTDP_WITH_NCCL", None)]
+        link_args += [f"-Wl,-rpath,{d}" for d in libs]
+        cls = cpp_extension.CUDAExtension
+    else:
+        macros += [("FASTDP_ARCH_LIST", '""')]
+        cls = cpp_extension.CppExtension
+    print(f"fastdp: building {'CUDA' if with_cuda else 'CPU-only'} extension", file=sys.stderr)
+    return cls(
+        name="fastdp._C",
+        sources=sources(with_cuda),
+        include_dirs=include_dirs,
+        define_macros=macros,
+        extra_compile_args=extra,
+        library_dirs=library_dirs,
+        libraries=libraries,
+        extra_link_args=link_args,
+    )
+
+
+setup(
+    name="torch-fastdp",
+    version=read_version(),
+    packages=find_packages(include=["fastdp", "fastdp.*"]),
+    ext_modules=[make_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
