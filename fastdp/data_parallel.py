@@ -1,0 +1,171 @@
+"""``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU "virtual" replicas.
+
+See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch.nn import DataParallel, Module
+
+from fastdp._devices import as_device, as_devices, public_id
+from fastdp.parallel_apply import parallel_apply
+from fastdp.replicate import replicate
+from fastdp.scatter_gather import gather, scatter_kwargs
+
+__all__ = ["FastDataParallel", "data_parallel"]
+
+
+def _check_device(module: Module, src: torch.device) -> None:
+    for t in chain(module.parameters(), module.buffers()):
+        if t.device != src:
+            raise RuntimeError(
+                "module must have its parameters and buffers "
+                f"on device {src} (device_ids[0]) but found one of "
+                f"them on device: {t.device}"
+            )
+
+
+def _check_balance(device_ids: list[int]) -> None:
+    from torch.nn.parallel.data_parallel import _check_balance as torch_check_balance
+
+    torch_check_balance(sorted(set(device_ids)))
+
+
+class FastDataParallel(DataParallel):
+    """Data parallelism at the module level: ``nn.DataParallel``'s behaviour, faster.
+
+    Args:
+        module: the module to parallelize.
+        device_ids: CUDA devices (ints, ``torch.device``, ``'cuda:N'``; repeats allowed: replicas
+            then share a GPU) or CPU devices (``['cpu'] * n``: the whole multi-replica pipeline on
+            the CPU). Default: all CUDA devices; with none, ``forward`` just calls the module.
+        output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
+            for the CPU).
+        dim: the dimension inputs are chunked along and outputs concatenated along.
+    """
+
+    def __init__(
+        self,
+        module: Module,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
+        dim: int = 0,
+    ) -> None:
+        Module.__init__(self)
+        torch._C._log_api_usage_once("fastdp.FastDataParallel")
+        self.module = module
+        self.dim = dim
+        devs = self._resolve_devices(device_ids)
+        if devs is None:
+            self.device_ids = []
+            return
+        self._devices = devs
+        self.device_ids = [public_id(d) for d in devs]
+        out = devs[0] if output_device is None else as_device(output_device)
+        self._output = out
+        self.output_device = public_id(out) if out.type == "cuda" else (
+            -1 if devs[0].type == "cuda" else out)
+        self.src_device_obj = devs[0]
+        if devs[0].type == "cuda":
+            _check_balance(self.device_ids)
+        if len(devs) == 1:
+            self.module.to(self.src_device_obj)
+
+    @staticmethod
+    def _resolve_devices(device_ids: Any) -> list[torch.device] | None:
+        """The replica devices, or None for DataParallel's pass-through (no accelerator)."""
+        if device_ids is not None:
+            devs = as_devices(list(device_ids))
+            if not devs:
+                raise RuntimeError("no available devices were found")
+            if devs[0].type == "cpu":
+                return devs
+            if not torch.cuda.is_available():
+                warnings.warn(
+                    f"fastdp: device_ids={list(device_ids)} but CUDA is not available; the module "
+                    "runs directly, as nn.DataParallel does. Use device_ids=['cpu'] * n for CPU "
+                    "replicas.",
+                    stacklevel=3,
+                )
+                return None
+            return devs
+        if not torch.cuda.is_available():
+            return None
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("FastDataParallel.forward"):
+            if not self.device_ids:
+                return self.module(*inputs, **kwargs)
+            _check_device(self.module, self.src_device_obj)
+            if len(self._devices) == 1 and self._devices[0].type == "cpu":
+                return self.module(*inputs, **kwargs)  # one CPU device: nothing to move
+            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            if not inputs and not module_kwargs:
+                inputs, module_kwargs = ((),), ({},)
+            if len(self.device_ids) == 1:
+                return self.module(*inputs[0], **module_kwargs[0])
+            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            return self.gather(outputs, self.output_device)
+
+    def replicate(self, module: Module, device_ids: Sequence[Any]) -> list[Module]:
+        return replicate(module, _devs(device_ids), not torch.is_grad_enabled())
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                device_ids: Sequence[Any]) -> Any:
+        return scatter_kwargs(inputs, kwargs, _devs(device_ids), dim=self.dim)
+
+    def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
+                       kwargs: Any) -> list[Any]:
+        return parallel_apply(replicas, inputs, kwargs, self._devices[: len(replicas)])
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        return gather(outputs, _dev(output_device, self), dim=self.dim)
+
+
+def _devs(ids: Sequence[Any]) -> list[torch.device]:
+    return [as_device(i) for i in ids]
+
+
+def _dev(output_device: Any, owner: FastDataParallel) -> torch.device:
+    if output_device is owner.output_device:
+        return owner._output
+    return as_device(output_device)
+
+
+def data_parallel(
+    module: Module,
+    inputs: Any,
+    device_ids: Sequence[int | str | torch.device] | None = None,
+    output_device: int | str | torch.device | None = None,
+    dim: int = 0,
+    module_kwargs: Any | None = None,
+) -> Any:
+    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel: the functional FastDataParallel."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    if device_ids is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device type could not be determined")
+        device_ids = list(range(torch.cuda.device_count()))
+    devs = as_devices(list(device_ids))
+    if not devs:
+        raise RuntimeError("no available devices were found")
+    out = devs[0] if output_device is None else as_device(output_device)
+    _check_device(module, devs[0])
+    inputs, kwargs = scatter_kwargs(inputs, module_kwargs, devs, dim)
+    if not inputs and not kwargs:
+        inputs, kwargs = ((),), ({},)
+    if len(devs) == 1:
+        return module(*inputs[0], **kwargs[0])
+    used = devs[: len(inputs)]
+    replicas = replicate(module, used)
+    outputs = parallel_apply(replicas, inputs, kwargs, used)
+    return gather(outputs, out, dim)
