@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch._utils import ExceptionWrapper
 from torch.nn import Module
+from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp._devices import as_device
 
@@ -56,6 +57,16 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
         stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(device)))
 
 
+def _infer_device(inp: Any) -> torch.device:
+    """A replica's device when none is given: its first tensor input's, as torch's get_a_var."""
+    t = get_a_var(inp)
+    if t is not None:
+        return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _public(device: torch.device) -> Any:
     return device.index if device.type == "cuda" else device.type
 
@@ -79,7 +90,11 @@ def parallel_apply(
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[Any] | None = None,
 ) -> list[Any]:
-    """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel."""
+    """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel.
+
+    Without ``devices``, each replica runs on the device of its first tensor input (the current
+    CUDA device, else the CPU, when it has none), as ``torch.nn.parallel.parallel_apply`` infers.
+    """
     if len(modules) != len(inputs):
         raise AssertionError(
             f"The number of modules {len(modules)} is not equal to the number of inputs "
@@ -93,8 +108,14 @@ def parallel_apply(
             f"{len(kwargs_tup)}"
         )
     if devices is None:
-        raise ValueError("fastdp.parallel_apply: devices are required")
-    devs = [as_device(d) for d in devices]
+        devs = [_infer_device(x) for x in inputs]
+    elif len(devices) != len(modules):
+        raise AssertionError(
+            f"The number of modules {len(modules)} is not equal to the number of devices "
+            f"{len(devices)}"
+        )
+    else:
+        devs = [as_device(d) for d in devices]
     state = capture_state()
     results: list[Any] = [None] * len(modules)
 
