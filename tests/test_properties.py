@@ -183,7 +183,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
         t = torch.view_as_real(t)
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
 
 
 def assert_same(a: Any, b: Any, path: str = "x") -> None:
