@@ -57,17 +57,6 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     devices = [as_device(d) for d in devices]
     num = len(devices)
 
-    # Module copies first: a lazy module's _replicate_for_data_parallel raises DataParallel's own
-    # "Modules with uninitialized parameters" error before its parameters are touched.
-    modules = list(network.modules())
-    module_indices = {m: i for i, m in enumerate(modules)}
-    copies: list[list[Module]] = [[] for _ in devices]
-    for module in modules:
-        for j in range(num):
-            replica = module._replicate_for_data_parallel()
-            replica._former_parameters = OrderedDict()
-            copies[j].append(replica)
-
     params = list(network.parameters())
     if any(isinstance(p, UninitializedParameter) for p in params):
         raise ValueError(_LAZY_MESSAGE)
@@ -81,6 +70,15 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     not_rg_idx = {b: i for i, b in enumerate(not_rg)}
     rg_copies = _broadcast(rg, devices, detach)
     not_rg_copies = _broadcast(not_rg, devices, True)
+
+    modules = list(network.modules())
+    module_indices = {m: i for i, m in enumerate(modules)}
+    copies: list[list[Module]] = [[] for _ in devices]
+    for module in modules:
+        for j in range(num):
+            replica = module._replicate_for_data_parallel()
+            replica._former_parameters = OrderedDict()
+            copies[j].append(replica)
 
     for i, module in enumerate(modules):
         for key, child in module._modules.items():

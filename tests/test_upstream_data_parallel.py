@@ -15,7 +15,8 @@ upstream                                            ours (and how it differs)
 ==================================================  ===============================================
 test_data_parallel_buffers_requiring_grad           test_data_parallel_buffers_requiring_grad
 test_data_parallel_rnn                              test_data_parallel_rnn (smaller LSTM, float64)
-test_data_parallel_lazy_linear                      test_data_parallel_lazy_linear
+test_data_parallel_lazy_linear                      test_data_parallel_lazy_linear (current
+                                                    upstream's ValueError)
 test_parallel_apply                                 test_parallel_apply
 test_parallel_apply_autocast                        test_parallel_apply_autocast (CPU: bf16)
 test_parallel_apply_passes_exception                test_parallel_apply_passes_exception
@@ -65,10 +66,9 @@ and run only on the GPU (``test_scatter_gpu``, ``test_gather_gpu``); every one h
 parts are kept, skipped (``*_two_gpus``: reversed device order, tensors on cuda:1, modules split
 over two GPUs).
 
-Regressions from porting (fixed in the core; tests marked ``# regression``): lazy modules raised a
-``ValueError`` from ``UninitializedParameter`` instead of DataParallel's text on CPU replicas;
-``parallel_apply`` refused ``devices=None``; double backward through Scatter/Gather depended on the
-backend's copies being differentiable (test_double_backward_with_non_differentiable_copies).
+Regressions from porting (fixed in the core; tests marked ``# regression``): ``parallel_apply``
+refused ``devices=None``; double backward through Scatter/Gather depended on the backend's copies
+being differentiable (test_double_backward_with_non_differentiable_copies).
 """
 
 from __future__ import annotations
@@ -177,9 +177,12 @@ def test_data_parallel_rnn(devices):
         close(p1, p2)
 
 
-def test_data_parallel_lazy_linear(devices):  # regression: the text was a ValueError on CPU
+def test_data_parallel_lazy_linear(devices):
+    """Current upstream: ValueError "Attempted to use an uninitialized parameter" (older: a
+    RuntimeError "Modules with uninitialized parameters"); fastdp's text carries both."""
     dev = home(devices)
-    with pytest.raises(RuntimeError, match="Modules with uninitialized parameters"):
+    with pytest.raises(ValueError, match=r"Attempted to use an uninitialized parameter[\s\S]*"
+                       "Modules with uninitialized parameters"):
         model_dp = FastDataParallel(nn.LazyLinear(10).to(dev), devices)
         model_dp(torch.rand(10, 10, device=dev))
 
