@@ -57,6 +57,27 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
         stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(device)))
 
 
+# NOTE [ Ctrl-C during a step ]
+# A KeyboardInterrupt must reach the caller promptly. A real SIGINT interrupts Thread.join, but
+# _thread.interrupt_main (IPython, timers) only sets a flag that is checked between bytecodes, so
+# joins wake every _POLL_S. Replica threads cannot be stopped: they finish on their own, and the
+# next parallel_apply waits for them first so that two steps never run on one module at once.
+_POLL_S = 0.05
+_stragglers: list[threading.Thread] = []
+
+
+def _join(t: threading.Thread) -> None:
+    while t.is_alive():
+        t.join(_POLL_S)
+
+
+def _wait_for_stragglers() -> None:
+    """Join the replica threads of an interrupted step. See NOTE [ Ctrl-C during a step ]."""
+    while _stragglers:
+        _join(_stragglers[-1])
+        _stragglers.pop()
+
+
 def _infer_device(inp: Any) -> torch.device:
     """A replica's device when none is given: its first tensor input's, as torch's get_a_var."""
     t = get_a_var(inp)
@@ -116,6 +137,7 @@ def parallel_apply(
         )
     else:
         devs = [as_device(d) for d in devices]
+    _wait_for_stragglers()
     state = capture_state()
     results: list[Any] = [None] * len(modules)
 
@@ -125,10 +147,14 @@ def parallel_apply(
     if len(modules) > 1:
         threads = [threading.Thread(target=work, args=(i,), daemon=True)
                    for i in range(len(modules))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                _join(t)
+        except BaseException:  # KeyboardInterrupt: return at once, let the replicas finish alone
+            _stragglers.extend(t for t in threads if t.is_alive())
+            raise
     elif modules:
         work(0)
     for out in results:
