@@ -70,7 +70,10 @@ class WorkerPool:
             for q, task in zip(self._queues, tasks):
                 q.put(task)
         for task in tasks:
-            task.done.wait()  # interruptible: KeyboardInterrupt propagates, tasks stay in flight
+            # Short timed waits: a SIGINT delivered to any thread is acted on within 50 ms;
+            # KeyboardInterrupt propagates and the tasks stay in flight (see drain).
+            while not task.done.wait(0.05):
+                pass
         self._inflight = []
         return [task.result for task in tasks]
 
