@@ -21,7 +21,7 @@ from fastdp import _watch
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._workers import WorkerPool
-from fastdp.parallel_apply import capture_state, parallel_apply, run_replica
+from fastdp.parallel_apply import capture_state, parallel_apply, reraise, run_replica
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
 
@@ -184,7 +184,7 @@ class FastDataParallel(DataParallel):
         results = self._pool.run(fns)
         for out in results:
             if isinstance(out, ExceptionWrapper):
-                out.reraise()
+                reraise(out)
         return results
 
     def gather(self, outputs: Any, output_device: Any) -> Any:

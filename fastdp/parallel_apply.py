@@ -9,6 +9,7 @@ type with ``Caught X in replica i on device d.`` and the original traceback.
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -20,7 +21,7 @@ from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp._devices import as_device
 
-__all__ = ["parallel_apply", "capture_state"]
+__all__ = ["parallel_apply", "capture_state", "reraise"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -159,5 +160,19 @@ def parallel_apply(
         work(0)
     for out in results:
         if isinstance(out, ExceptionWrapper):
-            out.reraise()
+            reraise(out)
     return results
+
+
+def reraise(wrapper: ExceptionWrapper) -> None:
+    """``wrapper.reraise()`` without its reference cycle.
+
+    ``ExceptionWrapper.reraise`` keeps the exception in a local of its own frame, which the
+    exception's traceback holds: a cycle that keeps the failed step (replicas, inputs, the wrapper
+    and its workers) alive until the garbage collector runs. Clearing that finished frame breaks it.
+    """
+    try:
+        wrapper.reraise()
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # skips frames still executing (this one)
+        raise
