@@ -131,23 +131,28 @@ def test_exception_in_one_replica(n, bad):
     assert wait_threads(threads) == threads
 
 
-def test_failed_step_leaves_no_replica_alive():
-    refs: list[weakref.ref] = []
-
-    class Spy(FastDataParallel):
-        def replicate(self, module, device_ids):
-            replicas = super().replicate(module, device_ids)
-            refs.extend(weakref.ref(r) for r in replicas)
-            return replicas
-
+def test_failed_step_leaves_no_reference_cycle():
+    """Regression: ExceptionWrapper.reraise's frame held the exception (a cycle through its
+    traceback), so a failed step kept the wrapper, its replicas and its workers alive until the
+    garbage collector ran."""
+    baseline = threading.active_count()
     model = Faulty()
-    fdp = Spy(model, CPU4)
+    fdp = FastDataParallel(model, CPU4)
+    fdp(batch(4))
     model.raise_in = 2
-    with pytest.raises(ValueError) as excinfo:
-        fdp(batch(4))
-    del excinfo  # its traceback holds the step's frames
     gc.collect()
-    assert refs and all(r() is None for r in refs)
+    with pytest.raises(ValueError, match="Caught ValueError in replica 2") as excinfo:
+        fdp(batch(4))
+    del excinfo  # the traceback holds the step's frames
+    assert gc.collect() == 0
+    refs = [weakref.ref(fdp), weakref.ref(model)]
+    gc.disable()
+    try:
+        del fdp, model  # reference counting alone releases everything
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+    assert wait_threads(baseline) == baseline
 
 
 @pytest.mark.parametrize("how", ["interrupt_main", "sigint"])
