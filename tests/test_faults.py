@@ -22,18 +22,14 @@ import torch
 from torch import nn
 
 from fastdp import FastDataParallel
-from fastdp.testing import set_backend
 
 CPU4 = ["cpu"] * 4
 
 
-@pytest.fixture(params=["ext", "torch"], autouse=True)
-def backend(request):
-    from fastdp import _backend
-
-    prev = set_backend(request.param)
-    yield request.param
-    _backend.set_enabled(prev)
+@pytest.fixture(autouse=True)
+def _every_backend(backend):
+    """Every test runs with the extension allowed (``ext``) and forced off (``torch``)."""
+    yield backend
 
 
 class Faulty(nn.Module):

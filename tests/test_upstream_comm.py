@@ -57,7 +57,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fastdp import _backend, comm
+from fastdp import comm
 from fastdp import scatter_gather as sg
 
 HAS_CUDA = torch.cuda.is_available()
@@ -71,12 +71,10 @@ REPLICAS = [
 ]
 
 
-@pytest.fixture(params=["ext", "torch"], autouse=True)
-def backend(request):
-    if request.param == "ext" and not _backend.loaded():
-        pytest.skip("fastdp._C is not built")
-    with _backend.use_extension(request.param == "ext"):
-        yield request.param
+@pytest.fixture(autouse=True)
+def _every_backend(backend):
+    """Every test runs with the extension allowed (``ext``) and forced off (``torch``)."""
+    yield backend
 
 
 @pytest.fixture(params=REPLICAS)

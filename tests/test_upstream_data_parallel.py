@@ -86,7 +86,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import gradcheck, gradgradcheck
 
-from fastdp import FastDataParallel, _backend, data_parallel
+from fastdp import FastDataParallel, data_parallel
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter
@@ -104,13 +104,10 @@ REPLICAS = [
 ]
 
 
-@pytest.fixture(params=["ext", "torch"], autouse=True)
-def backend(request):
-    """Run every test with the extension allowed (``ext``) and forced off (``torch``)."""
-    if request.param == "ext" and not _backend.loaded():
-        pytest.skip("fastdp._C is not built")
-    with _backend.use_extension(request.param == "ext"):
-        yield request.param
+@pytest.fixture(autouse=True)
+def _every_backend(backend):
+    """Every test runs with the extension allowed (``ext``) and forced off (``torch``)."""
+    yield backend
 
 
 @pytest.fixture(params=REPLICAS)
