@@ -232,3 +232,54 @@ def write_json(path: str, meta: dict, records: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
         f.write("\n")
+
+
+def _load(meta: dict) -> str:
+    la = meta.get("load_average") or {}
+    if la.get("start") is None:
+        return "unknown"
+    return f"{la['start']:.1f} at start, {la['end']:.1f} at end"
+
+
+def headline_markdown(doc: dict) -> str:
+    """The headline figures of a results file as Markdown tables (for bench/README.md)."""
+    meta, head = doc["meta"], doc["headline"]
+    gpu = meta["machine"]["gpu"]
+    lines = [f"Measured {meta['date']} on {meta['machine']['cpu']} ({meta['machine']['cores']} "
+             f"cores{', GPUs: ' + ', '.join(gpu['names']) if gpu['names'] else ', no GPU'}), "
+             f"torch {meta['torch']}, fastdp {meta['fastdp']['version']} at commit "
+             f"`{(meta['fastdp']['commit'] or '?')[:10]}`"
+             f"{' (uncommitted changes)' if meta['fastdp'].get('dirty') else ''}, "
+             f"command `{meta['command']}`, {meta['machine']['torch_threads']} torch thread(s), "
+             f"1-min load average {_load(meta)}.", ""]
+    if head.get("replicate_cpu"):
+        lines += ["| layers | replicas | fastdp replicate (ms) | DataParallel's algorithm (ms) "
+                  "| ratio |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['layers']} | {r['replicas']} | {r['fastdp_ms']:.3g} | "
+                  f"{r['dp_algo_ms']:.3g} | {r['ratio']:.3f} |" for r in head["replicate_cpu"]]
+        lines.append("")
+    if head.get("overhead"):
+        lines += ["| workload | parameter tensors | mode | step (ms) | host overhead (ms) | "
+                  "wrapper Python calls per step |", "|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {r['workload']} | {r['params']} | {r['mode']} | {_fmt(r['step_ms'])} | "
+                  f"{_fmt(r['overhead_ms'])} | {_fmt(r['wrapper_calls_per_step'])} |"
+                  for r in head["overhead"]]
+        lines.append("")
+    if head.get("steps_fastdp"):
+        lines += ["| suite | workload | input | replicas | fastdp step (ms) | x bare | x dp_algo "
+                  "| x nn.DataParallel |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['suite']} | {r['workload']} | {r['input']} | {r['replicas']} | "
+                  f"{_fmt(r['step_ms'])} | {_fmt(r.get('vs_bare'))} | "
+                  f"{_fmt(r.get('vs_dp_algo'))} | {_fmt(r.get('vs_torch_dp'))} |"
+                  for r in head["steps_fastdp"]]
+        lines.append("")
+    if head.get("not_ok"):
+        lines += ["Not ok in this run: " + "; ".join(head["not_ok"]), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m fastdp.bench.report RESULTS.json: Markdown headline
+    import sys
+
+    with open(sys.argv[1]) as f:
+        print(headline_markdown(json.load(f)))
