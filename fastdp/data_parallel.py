@@ -5,16 +5,23 @@ See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.nn import DataParallel, Module
+from torch.nn.parameter import UninitializedParameter
 
+from fastdp import _watch
 from fastdp._devices import as_device, as_devices, public_id
-from fastdp.parallel_apply import parallel_apply
+from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
+from fastdp._workers import WorkerPool
+from fastdp.parallel_apply import capture_state, parallel_apply, run_replica
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
 
@@ -56,11 +63,19 @@ class FastDataParallel(DataParallel):
         device_ids: Sequence[int | str | torch.device] | None = None,
         output_device: int | str | torch.device | None = None,
         dim: int = 0,
+        *,
+        persistent: bool = True,
     ) -> None:
         Module.__init__(self)
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
         self.module = module
         self.dim = dim
+        self.persistent = persistent
+        self._replica_sets: dict[tuple[torch.device, ...], ReplicaSet] = {}
+        self._checked: tuple[int, Any] | None = None
+        self._step_lock = threading.Lock()
+        self._pool = WorkerPool()
+        weakref.finalize(self, self._pool.shutdown)
         devs = self._resolve_devices(device_ids)
         if devs is None:
             self.device_ids = []
@@ -103,7 +118,7 @@ class FastDataParallel(DataParallel):
         with torch.autograd.profiler.record_function("FastDataParallel.forward"):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
-            _check_device(self.module, self.src_device_obj)
+            self._check_device_cached()
             if len(self._devices) == 1 and self._devices[0].type == "cpu":
                 return self.module(*inputs, **kwargs)  # one CPU device: nothing to move
             inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
@@ -115,8 +130,40 @@ class FastDataParallel(DataParallel):
             outputs = self.parallel_apply(replicas, inputs, module_kwargs)
             return self.gather(outputs, self.output_device)
 
+    def _check_device_cached(self) -> None:
+        """DataParallel's per-step device check, re-run only when the module changed."""
+        gen = _watch.generation()
+        if self._checked is not None and self._checked[0] == gen:
+            tensors = self._checked[2]
+            if tensors is not None and tensor_signature(tensors) == self._checked[1]:
+                return
+        _check_device(self.module, self.src_device_obj)
+        if not self.persistent:
+            return
+        _watch.watch(self.module.modules())
+        tensors = list(chain(self.module.parameters(), self.module.buffers()))
+        if any(isinstance(t, UninitializedParameter) for t in tensors):
+            return  # lazy modules: replicate raises DataParallel's error
+        self._checked = (_watch.generation(), tensor_signature(tensors), tensors)
+
+    def invalidate_replicas(self) -> None:
+        """Drop the cached replicas: call after changing the module behind ``nn.Module``'s back
+        (e.g. ``module.__dict__[k] = v``); see NOTE [ Replica invalidation ]."""
+        self._replica_sets.clear()
+        self._checked = None
+
     def replicate(self, module: Module, device_ids: Sequence[Any]) -> list[Module]:
-        return replicate(module, _devs(device_ids), not torch.is_grad_enabled())
+        devs = _devs(device_ids)
+        if not self.persistent or module is not self.module:
+            return replicate(module, devs, not torch.is_grad_enabled())
+        key = tuple(devs)
+        rs = self._replica_sets.get(key)
+        if rs is None or not rs.valid():
+            try:
+                rs = self._replica_sets[key] = ReplicaSet(module, devs)
+            except NotCacheable:
+                return replicate(module, devs, not torch.is_grad_enabled())
+        return rs.refresh()
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                 device_ids: Sequence[Any]) -> Any:
@@ -124,10 +171,38 @@ class FastDataParallel(DataParallel):
 
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
                        kwargs: Any) -> list[Any]:
-        return parallel_apply(replicas, inputs, kwargs, self._devices[: len(replicas)])
+        devices = self._devices[: len(replicas)]
+        if not self.persistent or len(replicas) < 2:
+            return parallel_apply(replicas, inputs, kwargs, devices)
+        if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
+            self._pool.drain()
+            self.invalidate_replicas()
+        state = capture_state()
+        kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
+        fns = [_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
+               for i in range(len(replicas))]
+        results = self._pool.run(fns)
+        for out in results:
+            if isinstance(out, ExceptionWrapper):
+                out.reraise()
+        return results
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
         return gather(outputs, _dev(output_device, self), dim=self.dim)
+
+
+class _Call:
+    """One replica's task for the worker pool (a callable holding no reference to the wrapper)."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __call__(self) -> Any:
+        out = run_replica(*self.args)
+        self.args = None
+        return out
 
 
 def _devs(ids: Sequence[Any]) -> list[torch.device]:
