@@ -27,11 +27,53 @@ MODES = ("bare", "torch_dp", "fastdp", "fastdp_noext", "dp_algo")
 WRAPPERS = ("torch_dp", "fastdp", "fastdp_noext", "dp_algo")
 
 
+_MODULE_METHODS = ("__setattr__", "__delattr__", "__getattr__", "add_module", "register_module",
+                   "register_parameter", "register_buffer", "_apply")
+
+
+@contextlib.contextmanager
+def plain_module_methods() -> Iterator[None]:
+    """``nn.Module``'s own methods for the duration: undoes, temporarily, any process-wide wrapper
+    that fastdp installed on them (its mutation watcher), so that DataParallel's algorithm is
+    measured as it runs without fastdp in the process. A no-op when nothing is wrapped."""
+    saved = {}
+    for name in _MODULE_METHODS:
+        f = nn.Module.__dict__.get(name)
+        orig = getattr(f, "__wrapped__", None)
+        if orig is not None and getattr(f, "__module__", "").startswith("fastdp"):
+            saved[name] = f
+            setattr(nn.Module, name, orig)
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(nn.Module, name, f)
+
+
+def fresh_replicate(module: nn.Module, devices: Sequence, detach: bool = False) -> list:
+    """DataParallel's algorithm: ``fastdp.replicate.replicate`` with plain ``nn.Module`` methods."""
+    from fastdp.replicate import replicate
+
+    with plain_module_methods():
+        return replicate(module, devices, detach)
+
+
+@functools.cache
+def torch_dp_class() -> type:
+    """``nn.DataParallel``, its ``replicate`` run with plain ``nn.Module`` methods."""
+
+    class TorchDataParallel(nn.DataParallel):
+        def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 (torch's seam)
+            with plain_module_methods():
+                return super().replicate(module, device_ids)
+
+    return TorchDataParallel
+
+
 @functools.cache
 def dp_algorithm_class() -> type:
     """``FastDataParallel`` with DataParallel's replicate: fresh replicas every call."""
     import fastdp
-    from fastdp.replicate import replicate as fresh_replicate
 
     class DPAlgorithm(fastdp.FastDataParallel):
         def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 (torch's seam)
@@ -52,7 +94,7 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
     if mode == "bare":
         obj = model
     elif mode == "torch_dp":
-        obj = nn.DataParallel(model, **kw)
+        obj = torch_dp_class()(model, **kw)
     elif mode in ("fastdp", "fastdp_noext"):
         import fastdp
 

@@ -187,6 +187,7 @@ def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices:
             step()
         r["calls_per_step"] = cc.counted(step, steps=COUNT_STEPS)
         r["calls_in"] = cc.area_counts(steps=COUNT_STEPS)
+        r["top_functions"] = cc.top(steps=COUNT_STEPS)
     model.zero_grad(set_to_none=True)
 
 
@@ -203,17 +204,31 @@ def _time_together(s: Settings, recs: dict, refs: dict, model, args, ids, sync) 
     model.zero_grad(set_to_none=True)
 
 
+def consume_graph(replicas: list) -> None:
+    """Back-propagates through one replica tensor, so the graph ``replicate()`` built is consumed
+    as a training step's backward would consume it (fastdp's persistent replicas reuse their
+    tensors only once the previous step's backward has run)."""
+    for m in replicas[-1].modules():
+        found = list(m._parameters.values()) + list(getattr(m, "_former_parameters", {}).values())
+        for t in found:
+            if t is not None and t.grad_fn is not None:
+                t.sum().backward()
+                return
+
+
 def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) -> list[Task]:
     """Steady-state ``replicate()`` cost on ``n`` CPU replicas: ``FastDataParallel.replicate``
     (after warm-up calls) vs DataParallel's algorithm (``fastdp.replicate.replicate``, fresh
-    replicas every call), timed interleaved, in training mode with grad enabled as inside a
-    training step. Checked first: every replica computes what the module computes."""
+    replicas every call), in training mode with grad enabled as inside a training step. Each
+    timed call is followed, untimed, by a backward through the replicas (``consume_graph``), as in
+    training; both are timed interleaved. Checked first: every replica computes what the module
+    computes. Also counted: Python calls per ``replicate()`` call."""
     layers = layers or plan(s.profile, "replicate")
 
     def run(k: int) -> list[dict]:
         import fastdp
-        from fastdp.replicate import replicate as fresh
 
+        fresh = modes.fresh_replicate
         torch.manual_seed(0)
         model = wl.mlp(k).train()
         x = torch.randn(2, 32)
@@ -233,10 +248,18 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
                     1.0, want.abs().max().item()), "max_abs_err": err, "replicas": len(reps)}
                 if not r["check"]["ok"]:
                     r["status"] = "check_failed"
+                consume_graph(reps)
+                held: list = []
+                with timing.CallCounter() as cc:  # the replicate() call alone, steady state
+                    r["calls_per_call"] = cc.counted(lambda: held.append(fn()))
+                    r["top_functions"] = cc.top()
+                consume_graph(held.pop())
 
             guarded(recs[m], check)
-        time_into(s, {m: impls[m] for m, r in recs.items()
+        model.zero_grad(set_to_none=True)
+        time_into(s, {m: (impls[m], consume_graph) for m, r in recs.items()
                       if r["status"] in ("ok", "check_failed")}, recs)
+        model.zero_grad(set_to_none=True)
         return list(recs.values())
 
     return [Task("replicate", f"{k} layers", lambda k=k: run(k)) for k in layers]

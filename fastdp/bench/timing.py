@@ -67,8 +67,11 @@ def measure(
                         max_total_s=max_total_s, sync=sync, max_inner=max_inner)["_"]
 
 
+Timed = Callable[[], object] | tuple[Callable[[], object], Callable[[object], None]]
+
+
 def measure_many(
-    fns: dict[str, Callable[[], object]],
+    fns: dict[str, Timed],
     *,
     warmup: int = 2,
     repeats: int = 10,
@@ -79,25 +82,42 @@ def measure_many(
 ) -> dict[str, Stats]:
     """Like ``measure`` for several functions, interleaved: repeat k of every function runs before
     repeat k + 1 of any, so drift of the machine (clock, other load) hits them all alike and the
-    ratios between them are fair. ``max_total_s`` caps the sum over all functions."""
+    ratios between them are fair. ``max_total_s`` caps the sum over all functions.
+
+    A value ``(fn, after)`` times ``fn`` alone, one call per repeat, and then calls
+    ``after(fn's result)`` outside the timed region (e.g. a backward that the measured call's
+    steady state depends on).
+    """
     sync = sync or (lambda: None)
-    inner: dict[str, int] = {}
-    once: dict[str, float] = {}
-    for name, fn in fns.items():
-        for _ in range(max(warmup, 1)):  # at least one: the first call builds lazy state
-            fn()
+    pairs = {k: (f if isinstance(f, tuple) else (f, None)) for k, f in fns.items()}
+
+    def once(fn: Callable[[], object], after: Callable[[object], None] | None) -> float:
         sync()
         t0 = time.perf_counter()
-        fn()
+        out = fn()
         sync()
-        once[name] = max(time.perf_counter() - t0, 1e-9)
-        inner[name] = int(min(max_inner, max(1, math.ceil(min_repeat_s / once[name]))))
+        dt = time.perf_counter() - t0
+        if after is not None:
+            after(out)
+        return dt
+
+    inner: dict[str, int] = {}
+    first: dict[str, float] = {}
+    for name, (fn, after) in pairs.items():
+        for _ in range(max(warmup, 1)):  # at least one: the first call builds lazy state
+            once(fn, after)
+        first[name] = max(once(fn, after), 1e-9)
+        k = int(min(max_inner, max(1, math.ceil(min_repeat_s / first[name]))))
+        inner[name] = 1 if after is not None else k
     if max_total_s is not None:
-        per_round = sum(once[k] * inner[k] for k in fns)
+        per_round = sum(first[k] * inner[k] for k in pairs)
         repeats = max(3, min(repeats, int(max_total_s / per_round)))
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in pairs}
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name, (fn, after) in pairs.items():
+            if after is not None:
+                times[name].append(once(fn, after) * 1e3)
+                continue
             k = inner[name]
             sync()
             t0 = time.perf_counter()
@@ -133,6 +153,7 @@ class CallCounter:
         self.areas = {k: v for k, v in (areas or {}).items() if k != "_exclude"}
         self._exclude = (areas or {}).get("_exclude")
         self.in_area = dict.fromkeys(self.areas, 0)
+        self.by_code: dict = {}
         self._area_start = dict(self.in_area)
         self._on = False
         self._installed = False
@@ -145,6 +166,8 @@ class CallCounter:
         if self._on and event == "call":
             with self._lock:
                 self.count += 1
+                code = frame.f_code
+                self.by_code[code] = self.by_code.get(code, 0) + 1
                 if self.areas:
                     f = frame.f_code.co_filename
                     if not (self._exclude and f.startswith(self._exclude)):
@@ -171,6 +194,7 @@ class CallCounter:
         """Calls ``fn`` ``steps`` times with counting on; returns the calls per step."""
         start = self.count
         self._area_start = dict(self.in_area)
+        self.by_code = {}
         self._on = True
         try:
             for _ in range(steps):
@@ -178,6 +202,13 @@ class CallCounter:
         finally:
             self._on = False
         return (self.count - start) / steps
+
+    def top(self, n: int = 12, steps: int = 1) -> list[list]:
+        """The ``n`` most called functions during the last ``counted`` call, per step, as
+        ``[path/to/file.py:line function, calls]`` (last three path components)."""
+        rows = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
+        return [[f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}",
+                 k / steps] for c, k in rows]
 
     def area_counts(self, steps: int = 1) -> dict[str, float]:
         """Calls per step in each area during the last ``counted`` call."""
