@@ -63,7 +63,7 @@ def settings(profile: str, repeats: int | None, replicas: tuple[int, ...]) -> Se
     base = {
         "tiny": dict(repeats=2, warmup=1, min_repeat_s=0.0, max_total_s=0.2),
         "quick": dict(repeats=5, warmup=1, min_repeat_s=0.005, max_total_s=0.4),
-    }.get(profile, dict(repeats=10, warmup=2, min_repeat_s=0.02, max_total_s=3.0))
+    }.get(profile, dict(repeats=10, warmup=1, min_repeat_s=0.02, max_total_s=3.0))
     if repeats is not None:
         base["repeats"] = repeats
     return Settings(profile=profile, replicas=replicas, **base)

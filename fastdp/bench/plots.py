@@ -153,7 +153,7 @@ def replicate_cost(records: list[dict], path: str) -> str | None:
     f, d = series.get("fastdp", {}), series.get("dp_algo", {})
     for x in sorted(set(f) & set(d)):
         ax.annotate(f"{f[x] / d[x]:.2f}x", (x, f[x]), textcoords="offset points",
-                    xytext=(4, -12), fontsize=8)
+                    xytext=(-10, 8), fontsize=8)
     n = recs[0].get("replicas")
     _plain_log(ax, "x")
     _plain_log(ax, "y")
@@ -185,8 +185,12 @@ def overhead(records: list[dict], suite: str, path: str) -> str | None:
                 by_mode[(r["mode"], r.get("replicas"))].append(r)
         for (mode, n), rs in by_mode.items():
             rs.sort(key=lambda r: r["params"])
-            ax.plot([r["params"] for r in rs], [max(r[key], 1e-3) for r in rs], "o-",
+            mlps = [r for r in rs if r["workload"].startswith("mlp")]
+            others = [r for r in rs if not r["workload"].startswith("mlp")]
+            ax.plot([r["params"] for r in mlps], [max(r[key], 1e-3) for r in mlps], "o-",
                     color=COLORS.get(mode), label=f"{LABELS.get(mode, mode)}, {n} replicas")
+            ax.plot([r["params"] for r in others], [max(r[key], 1e-3) for r in others], "s",
+                    color=COLORS.get(mode))
             for r in rs:
                 ax.annotate(r["workload"], (r["params"], max(r[key], 1e-3)), fontsize=7,
                             textcoords="offset points", xytext=(3, 3))
@@ -198,8 +202,9 @@ def overhead(records: list[dict], suite: str, path: str) -> str | None:
         ax.set_ylabel(ylabel)
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{suite}: the wrapper's own cost per step (step minus the bare module on the "
-                 "same chunks)", fontsize=10)
+    fig.suptitle(f"{suite}: the wrapper's own cost per training step = step minus the bare module "
+                 "on the same chunks\n(circles: MLPs of 10/100/1000 layers; squares: other "
+                 "workloads; flat = O(1) Python work per step)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
