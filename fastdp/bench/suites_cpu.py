@@ -169,6 +169,7 @@ def _count(r: dict, step) -> None:  # noqa: ANN001
             step()
         r["calls_per_step"] = cc.counted(step, steps=COUNT_STEPS)
         r["calls_in"] = cc.area_counts(steps=COUNT_STEPS)
+        r["top_functions"] = cc.top(steps=COUNT_STEPS)
 
 
 def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices: list,  # noqa: ANN001
