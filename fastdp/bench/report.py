@@ -207,7 +207,7 @@ def format_tables(records: list[dict]) -> str:
     for r in records:
         if r.get("suite") and r["suite"] not in order:
             order.append(r["suite"])
-    parts = []
+    parts = [] if records else ["(nothing was measured: no requested suite can run here)"]
     for suite in order:
         title, headers, row = _SECTIONS.get(_section(suite), _SECTIONS["steps"])
         rows = [row(r) for r in records
