@@ -101,65 +101,63 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
-    suites_gpu.DRY_RUN = args.gpu_dry_run
     threads = torch.get_num_threads()
+    suites_gpu.DRY_RUN = args.gpu_dry_run
     torch.set_num_threads(args.threads)
     try:
         return _run(args, argv, t_start)
     finally:
         torch.set_num_threads(threads)
+        suites_gpu.DRY_RUN = False
 
 
-def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
-    note = lambda msg: print(f"fastdp.bench: {msg}", file=sys.stderr)  # noqa: E731
-    note = lambda msg: print(f"fastdp.bench: {msg}", file=sys.stderr)  # noqa: E731
+def _note(msg: str) -> None:
+    print(f"fastdp.bench: {msg}", file=sys.stderr)
+
+
+def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
+    """The suites that run here, those skipped (with why), their tasks, and the profiles."""
     wanted = (auto_suites() if "auto" in args.suite else
               list(ALL_SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite)))
-    skipped = {s: why_not(s) for s in wanted if why_not(s)}
+    skipped = {s: why for s in wanted if (why := why_not(s))}
     for s, why in skipped.items():
-        note(f"suite {s} skipped: {why}")
-    suites = [s for s in wanted if not why_not(s)]
-    cpu_profile = "tiny" if args.tiny else "quick" if args.quick else "cpu"
-    gpu_profile = ("tiny" if args.tiny else "quick" if args.quick or args.gpu_dry_run
-                   else "gpu")
+        _note(f"suite {s} skipped: {why}")
+    suites = [s for s in wanted if s not in skipped]
+    profiles = {
+        "cpu": "tiny" if args.tiny else "quick" if args.quick else "cpu",
+        "gpu": "tiny" if args.tiny else "quick" if args.quick or args.gpu_dry_run else "gpu",
+    }
     replicas = tuple(args.replicas or ((1, 4) if args.quick else (1, 2, 4)))
     tasks: list[Task] = []
     for s in suites:
-        gpu = s in GPU_SUITES + MULTI_SUITES
-        tasks += _PLANNERS[s](settings(gpu_profile if gpu else cpu_profile, args.repeats,
-                                       replicas))
+        profile = profiles["gpu" if s in GPU_SUITES + MULTI_SUITES else "cpu"]
+        tasks += _PLANNERS[s](settings(profile, args.repeats, replicas))
+    return suites, skipped, tasks, {**profiles, "replicas": list(replicas)}
+
+
+def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
+    suites, skipped, tasks, profiles = _plan(args)
     meta = machine.describe(argv)
     load = machine.load_average()
     if load is not None and load > 0.5 * (os.cpu_count() or 1):
-        note(f"the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): "
-             "timings will be noisy; the JSON records the load.")
-    meta.update(suites=suites, skipped_suites=skipped, profile_cpu=cpu_profile,
-                gpu_dry_run=args.gpu_dry_run,
-                profile_gpu=gpu_profile if torch.cuda.is_available() else None,
-                tasks=len(tasks))
+        _note(f"the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): "
+              "timings will be noisy; the JSON records the load.")
+    meta.update(suites=suites, skipped_suites=skipped, profiles=profiles,
+                gpu_dry_run=args.gpu_dry_run, tasks=len(tasks))
     records = run_tasks(tasks, progress=not args.no_progress)
     report.add_ratios(records)
-    table = report.format_tables(records)
+    text = report.header(meta) + "\n" + report.format_tables(records)
     os.makedirs(args.out, exist_ok=True)
-    header = (f"fastdp.bench  {meta['date']}  torch {meta['torch']}  cuda {meta['cuda']}  "
-              f"fastdp {meta['fastdp']['version']} ({(meta['fastdp']['commit'] or '?')[:10]}"
-              f"{'+dirty' if meta['fastdp'].get('dirty') else ''})\n"
-              f"machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
-              f"GPUs: {meta['machine']['gpu']['names'] or 'none'}\n")
     with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write(header + "\n" + table + "\n")
-    print(header)
-    print(table)
+        f.write(text + "\n")
+    print(text)
     pngs: list[str] = []
-    if args.no_plots:
-        pass
-    elif plots.available():
+    if not args.no_plots and plots.available():
         pngs = plots.write_all(records, args.out)
-    else:
-        note("matplotlib is not installed; no plots (pip install matplotlib).")
-    meta["plots"] = [os.path.basename(p) for p in pngs]
-    meta["wall_s"] = time.perf_counter() - t_start
-    meta["load_average"] = {"start": load, "end": machine.load_average()}
+    elif not args.no_plots:
+        _note("matplotlib is not installed; no plots (pip install matplotlib).")
+    meta.update(plots=[os.path.basename(p) for p in pngs], wall_s=time.perf_counter() - t_start,
+                load_average={"start": load, "end": machine.load_average()})
     json_path = os.path.join(args.out, "results.json")
     report.write_json(json_path, meta, records)
     print(f"\nwrote {json_path}, {os.path.join(args.out, 'table.txt')}"

@@ -226,6 +226,16 @@ def format_tables(records: list[dict]) -> str:
     return "\n".join(parts)
 
 
+def header(meta: dict) -> str:
+    fd = meta["fastdp"]
+    return (f"fastdp.bench  {meta['date']}  torch {meta['torch']}  cuda {meta['cuda']}  "
+            f"fastdp {fd['version']} ({(fd['commit'] or '?')[:10]}"
+            f"{'+dirty' if fd.get('dirty') else ''})\n"
+            f"machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
+            f"{meta['machine']['torch_threads']} torch thread(s), "
+            f"GPUs: {', '.join(meta['machine']['gpu']['names']) or 'none'}\n")
+
+
 def write_json(path: str, meta: dict, records: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     doc = {"schema": SCHEMA, "meta": meta, "headline": headline(records), "records": records}
