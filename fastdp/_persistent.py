@@ -176,6 +176,12 @@ class ReplicaSet:
                         setattr(row[i], key, own)
         self.copies = copies
         self._assign()
+        slot_keys: dict[int, set] = {}
+        for i, key, _ in self.slots:
+            slot_keys.setdefault(i, set()).add(key)
+        for row in copies:
+            for i, r in enumerate(row):
+                _watch.track_replica(r, frozenset(slot_keys.get(i, ())))
         return [row[0] for row in copies]
 
     def _assign(self) -> None:
@@ -225,6 +231,8 @@ class ReplicaSet:
             self.tensors = self._new_tensors()  # the last graph may still need the old values
             self._assign()
         self.token = None
+        if _watch.has_dirty():
+            _watch.restore_dirty()
         if len(self.devices) > 1 and self.buffers:
             if self.buffer_state is not None:
                 self.buffer_state.copy(self.buffers)

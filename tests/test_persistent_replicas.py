@@ -309,3 +309,26 @@ def test_keyboard_interrupt_returns_promptly_and_next_step_works(backend):
     model.cfg["delay"] = 0.0
     assert_close(fdp(x), model(x))  # waits for the interrupted tasks, then runs correctly
     assert len(threading.enumerate()) <= threads
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # DataParallel: lost with the replica after every step
+        self.last_rows = x.shape[0]
+        return self.lin(x) * self.calls
+
+
+def test_attributes_set_in_forward_do_not_outlive_the_step(backend):
+    model = Counter()
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 2)
+    x = torch.ones(4, 2)
+    for _ in range(3):
+        assert_close(fdp(x), model.lin(x))  # calls is 1 inside every replica, every step
+    assert model.calls == 0 and not hasattr(model, "last_rows")
+    replica = fdp.replicate(model, fdp.device_ids)[1]
+    assert replica.calls == 0 and not hasattr(replica, "last_rows")
