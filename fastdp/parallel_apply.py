@@ -19,9 +19,16 @@ from torch.nn import Module
 
 from fastdp._devices import as_device
 
-__all__ = ["parallel_apply", "capture_state"]
+__all__ = ["parallel_apply", "capture_state", "ReplicaAborted"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
+
+
+class ReplicaAborted(RuntimeError):
+    """A replica stopped because another replica of the same step failed (SyncBatchNorm waits).
+
+    ``parallel_apply`` re-raises the failing replica's own error in preference to these.
+    """
 
 
 def capture_state() -> dict[str, Any]:
@@ -110,7 +117,8 @@ def parallel_apply(
             t.join()
     elif modules:
         work(0)
-    for out in results:
-        if isinstance(out, ExceptionWrapper):
-            out.reraise()
+    errors = [out for out in results if isinstance(out, ExceptionWrapper)]
+    if errors:
+        first = next((e for e in errors if not issubclass(e.exc_type, ReplicaAborted)), errors[0])
+        first.reraise()
     return results
