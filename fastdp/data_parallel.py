@@ -13,10 +13,15 @@ from typing import Any
 import torch
 from torch.nn import DataParallel, Module
 
+from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._devices import as_device, as_devices, public_id
+from fastdp._planner import chunk_sizes_for
+from fastdp.checkpoint import load_wrapped_state_dict
+from fastdp.criterion import Scattered
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
+from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
 
@@ -48,6 +53,15 @@ class FastDataParallel(DataParallel):
         output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
             for the CPU).
         dim: the dimension inputs are chunked along and outputs concatenated along.
+        chunk_sizes: keyword-only; rows per device (summing to the batch; 0 skips a device).
+        balance: keyword-only; relative shares per device, turned into chunk sizes for every
+            batch by largest-remainder rounding (0 skips a device). Exclusive with chunk_sizes.
+        gather_output: keyword-only; False makes ``forward`` return a ``fastdp.Scattered`` of the
+            per-replica outputs (see ``fastdp.ParallelCriterion``).
+
+    SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
+    the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
+    ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp.checkpoint``.
     """
 
     def __init__(
@@ -56,12 +70,19 @@ class FastDataParallel(DataParallel):
         device_ids: Sequence[int | str | torch.device] | None = None,
         output_device: int | str | torch.device | None = None,
         dim: int = 0,
+        *,
+        chunk_sizes: Sequence[int] | None = None,
+        balance: Sequence[float] | None = None,
+        gather_output: bool = True,
     ) -> None:
         Module.__init__(self)
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
         self.module = module
         self.dim = dim
+        self.gather_output = gather_output
         devs = self._resolve_devices(device_ids)
+        self.chunk_sizes, self.balance = _balance.check_split_args(
+            chunk_sizes, balance, None if devs is None else len(devs))
         if devs is None:
             self.device_ids = []
             return
@@ -102,32 +123,68 @@ class FastDataParallel(DataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("FastDataParallel.forward"):
             if not self.device_ids:
-                return self.module(*inputs, **kwargs)
+                return self._direct(self.module(*inputs, **kwargs), inputs, kwargs, None)
             _check_device(self.module, self.src_device_obj)
+            # [beyond DP] chunk_sizes / balance: the devices that get rows and their sizes.
+            batch = _balance.first_batch_size((inputs, kwargs), self.dim)
+            devices, sizes = _balance.plan_devices(self._devices, batch, self.dim,
+                                                   self.chunk_sizes, self.balance)
+            split = {} if sizes is None else {"chunk_sizes": sizes}
+            ids = self.device_ids if not split else [public_id(d) for d in devices]
             if len(self._devices) == 1 and self._devices[0].type == "cpu":
-                return self.module(*inputs, **kwargs)  # one CPU device: nothing to move
-            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+                # one CPU device: nothing to move
+                return self._direct(self.module(*inputs, **kwargs), inputs, kwargs, devices[0])
+            inputs, module_kwargs = self.scatter(inputs, kwargs, ids, **split)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
-                return self.module(*inputs[0], **module_kwargs[0])
-            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+                out = self.module(*inputs[0], **module_kwargs[0])
+                return self._direct(out, inputs, module_kwargs, devices[0])
+            replicas = self.replicate(self.module, ids[: len(inputs)])
+            with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
+                outputs = self.parallel_apply(replicas, inputs, module_kwargs,
+                                              **({"devices": devices[: len(inputs)]} if split
+                                                 else {}))
+            if not self.gather_output:  # [beyond DP]
+                return Scattered(outputs, sizes or _sizes(batch, len(outputs)),
+                                 devices[: len(outputs)], self.dim, self._output)
             return self.gather(outputs, self.output_device)
+
+    def _direct(self, output: Any, inputs: Any, kwargs: Any, device: Any) -> Any:
+        """The output of a forward that ran the module itself (no replicas, no gather)."""
+        if self.gather_output:
+            return output
+        batch = _balance.first_batch_size((inputs, kwargs), self.dim)
+        return Scattered([output], None if batch is None else [batch], [device], self.dim, None)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``Module.load_state_dict`` taking ``module.``-prefixed (DataParallel, DDP) or bare keys
+        (the plain module, ``fastdp.unwrap(m).state_dict()``, FSDP2's ``get_model_state_dict``).
+
+        Mismatched keys raise a ``RuntimeError`` naming the nearest expected keys.
+        """
+        return load_wrapped_state_dict(self, state_dict, strict, assign)
 
     def replicate(self, module: Module, device_ids: Sequence[Any]) -> list[Module]:
         return replicate(module, _devs(device_ids), not torch.is_grad_enabled())
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
-                device_ids: Sequence[Any]) -> Any:
-        return scatter_kwargs(inputs, kwargs, _devs(device_ids), dim=self.dim)
+                device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:
+        return scatter_kwargs(inputs, kwargs, _devs(device_ids), dim=self.dim,
+                              chunk_sizes=chunk_sizes)
 
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
-                       kwargs: Any) -> list[Any]:
-        return parallel_apply(replicas, inputs, kwargs, self._devices[: len(replicas)])
+                       kwargs: Any, devices: Sequence[Any] | None = None) -> list[Any]:
+        if devices is None:
+            devices = self._devices[: len(replicas)]
+        return parallel_apply(replicas, inputs, kwargs, devices)
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
         return gather(outputs, _dev(output_device, self), dim=self.dim)
+
+
+def _sizes(batch: int | None, n: int) -> list[int] | None:
+    return None if batch is None else chunk_sizes_for(batch, n)[:n]
 
 
 def _devs(ids: Sequence[Any]) -> list[torch.device]:
@@ -167,5 +224,6 @@ def data_parallel(
         return module(*inputs[0], **kwargs[0])
     used = devs[: len(inputs)]
     replicas = replicate(module, used)
-    outputs = parallel_apply(replicas, inputs, kwargs, used)
+    with prepare_replicas(replicas):
+        outputs = parallel_apply(replicas, inputs, kwargs, used)
     return gather(outputs, out, dim)
