@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch.nn import Module
 from torch.nn.parallel.replicate import _replicatable_module
+from torch.nn.parameter import UninitializedParameter
 
 from fastdp import comm
 from fastdp._devices import as_device
@@ -25,6 +26,14 @@ from fastdp._functions import Broadcast
 __all__ = ["replicate"]
 
 T = TypeVar("T", bound=Module)
+
+# nn.DataParallel fails here with ValueError("Attempted to use an uninitialized parameter...");
+# keep that type and text and add torch's own explanation from nn/modules/lazy.py.
+_LAZY_MESSAGE = (
+    "Attempted to use an uninitialized parameter in replicate. Modules with uninitialized "
+    "parameters can't be used with `DataParallel`. Run a dummy forward pass to correctly "
+    "initialize the modules"
+)
 
 
 def _broadcast(tensors: list[torch.Tensor], devices: list[torch.device], detach: bool):
@@ -49,6 +58,8 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     num = len(devices)
 
     params = list(network.parameters())
+    if any(isinstance(p, UninitializedParameter) for p in params):
+        raise ValueError(_LAZY_MESSAGE)
     param_indices = {p: i for i, p in enumerate(params)}
     param_copies = _broadcast(params, devices, detach)
 
