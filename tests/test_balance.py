@@ -9,16 +9,7 @@ from torch.testing import assert_close
 
 import fastdp
 from fastdp.balance import balanced_chunk_sizes
-
-KINDS = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA (repeated ids [0, 0, 0])")),
-]
-
-
-def _ids(kind, n):
-    return ["cpu"] * n if kind == "cpu" else [0] * n
+from fastdp.testing import replica_ids, withCUDA
 
 
 class Recorder(nn.Module):
@@ -47,11 +38,11 @@ def _seen(module):
     return [n for _, n in sorted(module.calls)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@withCUDA
 @pytest.mark.parametrize("sizes", [[5, 1, 4], [1, 1, 8], [10, 0, 0], [2, 8, 0]])
 def test_chunk_sizes_seen_inside_module(kind, sizes):
     m = Recorder()
-    fdp = fastdp.FastDataParallel(m, _ids(kind, 3), chunk_sizes=sizes)
+    fdp = fastdp.FastDataParallel(m, replica_ids(kind, 3), chunk_sizes=sizes)
     x = _rows(10)
     out = fdp(x)
     assert _seen(m) == [s for s in sizes if s]

@@ -13,16 +13,7 @@ from torch.testing import assert_close
 
 import fastdp
 from fastdp import sync_batchnorm
-
-KINDS = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA (repeated ids [0, 0, 0])")),
-]
-
-
-def _ids(kind, n):
-    return ["cpu"] * n if kind == "cpu" else [0] * n
+from fastdp.testing import replica_ids, withCUDA
 
 
 def _cnn():
@@ -47,7 +38,7 @@ def _assert_same_state(a, b):
         assert_close(x, y, msg=name)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@withCUDA
 @pytest.mark.parametrize("n,split", [(2, {}), (3, {}), (3, {"chunk_sizes": [6, 1, 3]}),
                                      (4, {"balance": [1, 0, 2, 1]})])
 def test_training_steps_equal_whole_batch_batchnorm(kind, n, split):
@@ -55,7 +46,7 @@ def test_training_steps_equal_whole_batch_batchnorm(kind, n, split):
     dev = "cpu" if kind == "cpu" else "cuda:0"
     sync.to(dev)
     ref.to(dev)
-    fdp = fastdp.FastDataParallel(sync, _ids(kind, n), **split)
+    fdp = fastdp.FastDataParallel(sync, replica_ids(kind, n), **split)
     opt_a = torch.optim.SGD(sync.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
