@@ -146,7 +146,7 @@ class FastDataParallel(DataParallel):
                                               **({"devices": devices[: len(inputs)]} if split
                                                  else {}))
             if not self.gather_output:  # [beyond DP]
-                return Scattered(outputs, sizes or _sizes(batch, len(outputs)),
+                return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
             return self.gather(outputs, self.output_device)
 
@@ -183,8 +183,9 @@ class FastDataParallel(DataParallel):
         return gather(outputs, _dev(output_device, self), dim=self.dim)
 
 
-def _sizes(batch: int | None, n: int) -> list[int] | None:
-    return None if batch is None else chunk_sizes_for(batch, n)[:n]
+def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:
+    """torch.chunk sizes of the first input leaf (the planner's plan for it)."""
+    return None if batch is None else chunk_sizes_for(batch, num_devices)[:n]
 
 
 def _devs(ids: Sequence[Any]) -> list[torch.device]:

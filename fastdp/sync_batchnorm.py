@@ -120,11 +120,9 @@ class _Rendezvous:
         if total <= 1:
             raise ValueError("Expected more than 1 value per channel when training, got input "
                              f"size {[total, *x.shape[1:]]} over all replicas")
-        w = torch.tensor([c / total for c in counts], dtype=mean.dtype, device=x.device)
-        w = w.unsqueeze(1)
-        m = torch.stack(means)
-        g_mean = (m * w).sum(0)
-        g_var = ((torch.stack(vars_) + (m - g_mean) ** 2) * w).sum(0)
+        shares = [c / total for c in counts]  # Python floats: no host-to-device copy
+        g_mean = sum(m * s for m, s in zip(means, shares))
+        g_var = sum((v + (m - g_mean) ** 2) * s for m, v, s in zip(means, vars_, shares))
         if running_mean is not None:
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_(g_mean.to(running_mean.dtype),

@@ -45,6 +45,13 @@ def test_forward_returns_scattered_with_chunks_and_devices():
     assert out.devices == [torch.device("cpu")] * 3 and out.dim == 0
 
 
+@pytest.mark.parametrize("batch,n,sizes", [(2, 3, [1, 1]), (30, 8, [4] * 7 + [2]),
+                                           (10, 8, [2] * 5), (0, 2, [0, 0])])
+def test_scattered_chunk_sizes_follow_torch_chunk(batch, n, sizes):
+    out = fastdp.FastDataParallel(_net(), ["cpu"] * n, gather_output=False)(torch.randn(batch, 6))
+    assert out.chunk_sizes == sizes and [len(o) for o in out] == sizes
+
+
 def test_scattered_gather_equals_gathered_forward_exactly():
     net = _net()
     x = _data()[0]
