@@ -123,38 +123,41 @@ class FastDataParallel(DataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("FastDataParallel.forward"):
             if not self.device_ids:
-                return self._direct(self.module(*inputs, **kwargs), inputs, kwargs, None)
+                batch = None if self.gather_output else _balance.first_batch_size(
+                    (inputs, kwargs), self.dim)
+                return self._direct(self.module(*inputs, **kwargs), batch, None)
             _check_device(self.module, self.src_device_obj)
-            # [beyond DP] chunk_sizes / balance: the devices that get rows and their sizes.
-            batch = _balance.first_batch_size((inputs, kwargs), self.dim)
-            devices, sizes = _balance.plan_devices(self._devices, batch, self.dim,
-                                                   self.chunk_sizes, self.balance)
-            split = {} if sizes is None else {"chunk_sizes": sizes}
-            ids = self.device_ids if not split else [public_id(d) for d in devices]
+            devices, sizes, batch = self._devices, None, None
+            if self.chunk_sizes is not None or self.balance is not None or not self.gather_output:
+                # [beyond DP] the devices that get rows (0-row ones dropped) and their sizes
+                batch = _balance.first_batch_size((inputs, kwargs), self.dim)
+                devices, sizes = _balance.plan_devices(self._devices, batch, self.dim,
+                                                       self.chunk_sizes, self.balance)
+            custom = sizes is not None or len(devices) != len(self._devices)
+            ids = [public_id(d) for d in devices] if custom else self.device_ids
             if len(self._devices) == 1 and self._devices[0].type == "cpu":
                 # one CPU device: nothing to move
-                return self._direct(self.module(*inputs, **kwargs), inputs, kwargs, devices[0])
+                return self._direct(self.module(*inputs, **kwargs), batch, devices[0])
+            split = {} if sizes is None else {"chunk_sizes": sizes}
             inputs, module_kwargs = self.scatter(inputs, kwargs, ids, **split)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
                 out = self.module(*inputs[0], **module_kwargs[0])
-                return self._direct(out, inputs, module_kwargs, devices[0])
+                return self._direct(out, batch, devices[0])
             replicas = self.replicate(self.module, ids[: len(inputs)])
+            on = {"devices": devices[: len(inputs)]} if custom else {}
             with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
-                outputs = self.parallel_apply(replicas, inputs, module_kwargs,
-                                              **({"devices": devices[: len(inputs)]} if split
-                                                 else {}))
+                outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
             return self.gather(outputs, self.output_device)
 
-    def _direct(self, output: Any, inputs: Any, kwargs: Any, device: Any) -> Any:
+    def _direct(self, output: Any, batch: int | None, device: Any) -> Any:
         """The output of a forward that ran the module itself (no replicas, no gather)."""
         if self.gather_output:
             return output
-        batch = _balance.first_batch_size((inputs, kwargs), self.dim)
         return Scattered([output], None if batch is None else [batch], [device], self.dim, None)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

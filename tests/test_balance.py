@@ -185,3 +185,19 @@ def test_balance_must_be_positive_finite(bad):
 def test_extensions_are_keyword_only():
     with pytest.raises(TypeError):
         fastdp.FastDataParallel(Recorder(), ["cpu"] * 2, None, 0, [1, 1])
+
+
+def test_zero_weight_device_skipped_without_tensor_inputs():
+    calls = []
+
+    class NoTensors(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+
+        def forward(self, scale):
+            calls.append(scale)
+            return self.w * scale
+
+    out = fastdp.FastDataParallel(NoTensors(), ["cpu"] * 3, balance=[1, 0, 1])(2.0)
+    assert len(calls) == 2 and out.shape == (2,)
