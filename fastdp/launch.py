@@ -78,13 +78,14 @@ def wrap(model: Module, **kwargs: Any) -> Module:
         return FastDataParallel(model, **{k: v for k, v in kwargs.items() if k in _FDP_KWARGS})
     cpu = _cpu_requested(kwargs) or not torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not cpu:
+        torch.cuda.set_device(local_rank)  # before NCCL initialises on this rank
     if not dist.is_initialized():
         dist.init_process_group("gloo" if cpu else "nccl")
     ddp_kwargs = {k: v for k, v in kwargs.items()
                   if k in _DDP_KWARGS and k not in ("device_ids", "output_device")}
     if cpu:
         return DistributedDataParallel(model, **ddp_kwargs)
-    torch.cuda.set_device(local_rank)
     model.to(torch.device("cuda", local_rank))
     return DistributedDataParallel(model, device_ids=[local_rank], output_device=local_rank,
                                    **ddp_kwargs)
