@@ -16,7 +16,8 @@ from torch.nn.parallel import comm as _tcomm
 from fastdp import _backend
 from fastdp._devices import all_distinct_cuda, as_device
 
-__all__ = ["broadcast_coalesced", "reduce_add_coalesced", "scatter", "gather", "scatter_leaves"]
+__all__ = ["broadcast_coalesced", "broadcast_into", "reduce_add_coalesced", "scatter", "gather",
+           "scatter_leaves"]
 
 _DEFAULT_BUFFER = 10485760
 
@@ -44,6 +45,26 @@ def broadcast_coalesced(
         return [tensors] + [[t.to(d, copy=True) for t in tensors] for d in devs[1:]]
 
 
+def broadcast_into(
+    tensors: Sequence[torch.Tensor], outs: Sequence[Sequence[torch.Tensor]]
+) -> None:
+    """Copy ``tensors`` into each device's persistent ``outs[d]`` (same shapes and dtypes).
+
+    The persistent-replica refresh: one call per step for all tensors and devices; values are
+    bit-identical to the sources. Runs on the current streams; no autograd.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return
+    ext = _backend.ext()
+    if ext is not None and hasattr(ext, "broadcast_coalesced_into") and _dense(tensors):
+        ext.broadcast_coalesced_into(tensors, [list(o) for o in outs])
+        return
+    with torch.no_grad():
+        for dests in outs:
+            torch._foreach_copy_(list(dests), tensors, non_blocking=True)
+
+
 def reduce_add_coalesced(
     inputs: Sequence[Sequence[torch.Tensor]],
     destination: Any = None,
@@ -65,10 +86,15 @@ def reduce_add_coalesced(
     if len(devs) > 1 and all_distinct_cuda(devs) and dest.type == "cuda":
         return _tcomm.reduce_add_coalesced(inputs, dest.index, buffer_size)
     with torch.no_grad():
+        if all(g.device == dest for grads in inputs for g in grads):
+            out = torch._foreach_add(first, inputs[1]) if len(inputs) > 1 else \
+                [t.clone() for t in first]
+            for grads in inputs[2:]:
+                torch._foreach_add_(out, grads)
+            return out
         out = [t.to(dest, copy=True) for t in first]
         for grads in inputs[1:]:
-            for acc, g in zip(out, grads):
-                acc.add_(g.to(dest))
+            torch._foreach_add_(out, [g.to(dest) for g in grads])
     return out
 
 

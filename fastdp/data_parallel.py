@@ -5,20 +5,26 @@ See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
 import torch
 from torch.nn import DataParallel, Module
+from torch.nn.parameter import UninitializedParameter
 
+from fastdp import _watch
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._devices import as_device, as_devices, public_id
+from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._planner import chunk_sizes_for
+from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
 from fastdp.criterion import Scattered
-from fastdp.parallel_apply import parallel_apply
+from fastdp.parallel_apply import capture_state, parallel_apply, raise_first_error, run_replica
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
@@ -53,6 +59,7 @@ class FastDataParallel(DataParallel):
         output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
             for the CPU).
         dim: the dimension inputs are chunked along and outputs concatenated along.
+        persistent: keyword-only; keep replicas across steps (see NOTE [ Persistent replicas ]).
         chunk_sizes: keyword-only; rows per device (summing to the batch; 0 skips a device).
         balance: keyword-only; relative shares per device, turned into chunk sizes for every
             batch by largest-remainder rounding (0 skips a device). Exclusive with chunk_sizes.
@@ -71,6 +78,7 @@ class FastDataParallel(DataParallel):
         output_device: int | str | torch.device | None = None,
         dim: int = 0,
         *,
+        persistent: bool = True,
         chunk_sizes: Sequence[int] | None = None,
         balance: Sequence[float] | None = None,
         gather_output: bool = True,
@@ -79,6 +87,12 @@ class FastDataParallel(DataParallel):
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
         self.module = module
         self.dim = dim
+        self.persistent = persistent
+        self._replica_sets: dict[tuple[torch.device, ...], ReplicaSet] = {}
+        self._checked: tuple[int, Any] | None = None
+        self._step_lock = threading.Lock()
+        self._pool = WorkerPool()
+        weakref.finalize(self, self._pool.shutdown)
         self.gather_output = gather_output
         devs = self._resolve_devices(device_ids)
         self.chunk_sizes, self.balance = _balance.check_split_args(
@@ -126,7 +140,7 @@ class FastDataParallel(DataParallel):
                 batch = None if self.gather_output else _balance.first_batch_size(
                     (inputs, kwargs), self.dim)
                 return self._direct(self.module(*inputs, **kwargs), batch, None)
-            _check_device(self.module, self.src_device_obj)
+            self._check_device_cached()
             devices, sizes, batch = self._devices, None, None
             if self.chunk_sizes is not None or self.balance is not None or not self.gather_output:
                 # [beyond DP] the devices that get rows (0-row ones dropped) and their sizes
@@ -168,8 +182,40 @@ class FastDataParallel(DataParallel):
         """
         return load_wrapped_state_dict(self, state_dict, strict, assign)
 
+    def _check_device_cached(self) -> None:
+        """DataParallel's per-step device check, re-run only when the module changed."""
+        gen = _watch.generation()
+        if self._checked is not None and self._checked[0] == gen:
+            tensors = self._checked[2]
+            if tensors is not None and tensor_signature(tensors) == self._checked[1]:
+                return
+        _check_device(self.module, self.src_device_obj)
+        if not self.persistent:
+            return
+        _watch.watch(self.module.modules())
+        tensors = list(chain(self.module.parameters(), self.module.buffers()))
+        if any(isinstance(t, UninitializedParameter) for t in tensors):
+            return  # lazy modules: replicate raises DataParallel's error
+        self._checked = (_watch.generation(), tensor_signature(tensors), tensors)
+
+    def invalidate_replicas(self) -> None:
+        """Drop the cached replicas: call after changing the module behind ``nn.Module``'s back
+        (e.g. ``module.__dict__[k] = v``); see NOTE [ Replica invalidation ]."""
+        self._replica_sets.clear()
+        self._checked = None
+
     def replicate(self, module: Module, device_ids: Sequence[Any]) -> list[Module]:
-        return replicate(module, _devs(device_ids), not torch.is_grad_enabled())
+        devs = _devs(device_ids)
+        if not self.persistent or module is not self.module:
+            return replicate(module, devs, not torch.is_grad_enabled())
+        key = tuple(devs)
+        rs = self._replica_sets.get(key)
+        if rs is None or not rs.valid():
+            try:
+                rs = self._replica_sets[key] = ReplicaSet(module, devs)
+            except NotCacheable:
+                return replicate(module, devs, not torch.is_grad_enabled())
+        return rs.refresh()
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                 device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:
@@ -180,10 +226,35 @@ class FastDataParallel(DataParallel):
                        kwargs: Any, devices: Sequence[Any] | None = None) -> list[Any]:
         if devices is None:
             devices = self._devices[: len(replicas)]
-        return parallel_apply(replicas, inputs, kwargs, devices)
+        if not self.persistent or len(replicas) < 2:
+            return parallel_apply(replicas, inputs, kwargs, devices)
+        if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
+            self._pool.drain()
+            self.invalidate_replicas()
+        state = capture_state()
+        kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
+        fns = [_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
+               for i in range(len(replicas))]
+        results = self._pool.run(fns)
+        raise_first_error(results)
+        return results
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
         return gather(outputs, _dev(output_device, self), dim=self.dim)
+
+
+class _Call:
+    """One replica's task for the worker pool (a callable holding no reference to the wrapper)."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __call__(self) -> Any:
+        out = run_replica(*self.args)
+        self.args = None
+        return out
 
 
 def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:

@@ -224,7 +224,7 @@ def test_replicas_left_untouched_and_freed_without_gc(root_is_bn):
     x = torch.randn(6, 3, 6, 6, dtype=torch.float64)
     if root_is_bn:
         sync, x = nn.SyncBatchNorm(3).double(), x[:, :, 0]
-    fdp = _Spy(sync, ["cpu"] * 3)
+    fdp = _Spy(sync, ["cpu"] * 3, persistent=False)  # fresh replicas every step
     fdp(x).sum().backward()  # warm-up (lazy imports, caches)
     gc.collect()
     gc.disable()
@@ -236,12 +236,23 @@ def test_replicas_left_untouched_and_freed_without_gc(root_is_bn):
     assert all("forward" not in m.__dict__ for m in sync.modules())  # originals never patched
 
 
-def test_cached_replicas_are_restored_after_the_step():
+def test_prepared_replicas_are_restored_after_the_step():
     sync, ref = _sync_and_ref(_cnn())
     replicas = fastdp.replicate.replicate(sync, ["cpu"] * 2)
     with sync_batchnorm.prepare_replicas(replicas):
         assert isinstance(replicas[0][1].__dict__["forward"], sync_batchnorm._Forward)
     assert all("forward" not in m.__dict__ for r in replicas for m in r.modules())
+
+
+def test_persistent_replicas_are_reused_and_left_clean():
+    sync, ref = _sync_and_ref(_cnn())
+    fdp = _Spy(sync, ["cpu"] * 3)
+    x = torch.randn(6, 3, 6, 6, dtype=torch.float64)
+    fdp(x).sum().backward()
+    first = [r() for r in fdp.last]
+    fdp(x).sum().backward()
+    assert [r() for r in fdp.last] == first  # the same replica objects: cached
+    assert all("forward" not in m.__dict__ for r in first for m in r.modules())
 
 
 def test_converted_model_still_works_alone():
