@@ -51,7 +51,7 @@ class _Token:
 
 
 class Refresh(Function):
-    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to ``sources``."""
+    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to sources."""
 
     @staticmethod
     def forward(ctx, rs, *sources):

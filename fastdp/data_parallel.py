@@ -1,4 +1,4 @@
-"""``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU "virtual" replicas.
+"""``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU virtual replicas.
 
 See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
 """
@@ -280,7 +280,7 @@ def data_parallel(
     dim: int = 0,
     module_kwargs: Any | None = None,
 ) -> Any:
-    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel: the functional FastDataParallel."""
+    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel (functional FastDataParallel)."""
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is None:
