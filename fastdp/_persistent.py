@@ -54,7 +54,7 @@ class _Token:
 
 
 class Refresh(Function):
-    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to ``sources``."""
+    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to sources."""
 
     @staticmethod
     def forward(ctx, rs, *sources):
