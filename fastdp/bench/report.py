@@ -150,9 +150,10 @@ _SECTIONS = {
     "overhead": ("Host overhead and Python calls per step (4 replicas, 2 samples each); "
                  "overhead = step - model_chunks",
                  ["workload", "params", "mode", "status", "step ms", "overhead ms",
-                  "calls/step", "wrapper calls", "in fastdp", "x dp_algo (ovh)"],
+                  "calls/step", "in model", "wrapper calls", "in fastdp", "x dp_algo (ovh)"],
                  lambda r: [r.get("workload"), r.get("params"), r["mode"], _status(r),
                             _t(r, "median_ms"), r.get("overhead_ms"), r.get("calls_per_step"),
+                            (r.get("calls") or {}).get("model"),
                             r.get("wrapper_calls_per_step"),
                             (r.get("calls_in") or {}).get("fastdp"),
                             _rat(r, "overhead_vs_dp_algo")]),

@@ -104,12 +104,18 @@ def overhead_tasks(s: Settings, device: str = "cpu", n: int = 4,
     The batch is ``per_replica`` samples per replica (2: BatchNorm needs more than one value per
     channel in training mode), so the model's own work is small and the wrapper's cost shows.
 
-    Method: ``calls(wrapper step) - calls(model step)``, where the model step is the bare module on
-    the same n chunks in turn plus one concatenation, the same loss and backward. Counted with
-    ``timing.CallCounter`` in every thread Python starts, over two steps after two uncounted
-    warm-up steps. ``calls_in`` also reports the calls whose code lives in the fastdp package (bench
-    excluded) and in ``torch/nn/parallel``. Times: the wrappers and the model step are timed
-    interleaved with fresh wrappers (the profile hook is off by then).
+    Method: a profile hook counts Python calls in every thread Python starts (two steps, after
+    two uncounted warm-up steps; see ``timing.CallCounter``). Calls made while one of the model's
+    ``forward`` methods is running in that thread (on the original or on a replica) are the
+    model's; the others are *outside* calls. The wrapper's calls are ``outside(wrapper step) -
+    outside(model step)``, the model step being the bare module on the same n chunks in turn, one
+    concatenation, the same loss and backward (so the loss, the top-level module calls and the
+    backward call cancel out). Counting by forward extent rather than subtracting totals matters:
+    replicas whose parameters are plain attributes skip ``Module.__getattr__``, so a replica's
+    forward makes fewer Python calls than the original's. ``calls_in`` reports the outside calls
+    whose code lives in the fastdp package (bench excluded) and in ``torch/nn/parallel``; the most
+    called outside functions are in ``top_functions``. Times: the wrappers and the model step are
+    timed interleaved with fresh wrappers (the hook is off by then).
     """
     cat = wl.catalogue(s.profile)
     names = plan(s.profile, "overhead")
@@ -133,7 +139,8 @@ def overhead_tasks(s: Settings, device: str = "cpu", n: int = 4,
         recs.update({(m, k): {**base, "mode": m, "replicas": k, "devices": [dev] * k}
                      for m, k in runs})
         for k, fn in refs.items():
-            guarded(recs[("model_chunks", k)], lambda r, fn=fn: _count(r, fn))
+            guarded(recs[("model_chunks", k)],
+                    lambda r, fn=fn: _count(r, fn, timing.forward_codes(model)))
         model.zero_grad(set_to_none=True)
         for m, k in runs:
             guarded(recs[(m, k)], lambda r, m=m, k=k: _count_wrapper(
@@ -144,8 +151,8 @@ def overhead_tasks(s: Settings, device: str = "cpu", n: int = 4,
             ref = recs[("model_chunks", k)]
             if m != "model_chunks" and "time_ms" in r and "time_ms" in ref:
                 r["overhead_ms"] = r["time_ms"]["median_ms"] - ref["time_ms"]["median_ms"]
-            if m != "model_chunks" and "calls_per_step" in r and "calls_per_step" in ref:
-                r["wrapper_calls_per_step"] = r["calls_per_step"] - ref["calls_per_step"]
+            if m != "model_chunks" and "calls" in r and "calls" in ref:
+                r["wrapper_calls_per_step"] = r["calls"]["outside"] - ref["calls"]["outside"]
         return list(recs.values())
 
     return [Task(suite, name, lambda w=cat[name]: run(w)) for name in names]
@@ -163,20 +170,26 @@ def _model_step(model, args: tuple, k: int):  # noqa: ANN001, ANN202
 COUNT_WARMUP, COUNT_STEPS = 2, 2  # counts barely vary (thread synchronisation can add a few)
 
 
-def _count(r: dict, step) -> None:  # noqa: ANN001
-    with timing.CallCounter(_areas()) as cc:
+def _count(r: dict, step, codes: set) -> None:  # noqa: ANN001
+    with timing.CallCounter(_areas(), codes) as cc:
         for _ in range(COUNT_WARMUP):
             step()
-        r["calls_per_step"] = cc.counted(step, steps=COUNT_STEPS)
-        r["calls_in"] = cc.area_counts(steps=COUNT_STEPS)
-        r["top_functions"] = cc.top(steps=COUNT_STEPS)
+        _record_counts(r, cc, step)
+
+
+def _record_counts(r: dict, cc: timing.CallCounter, step) -> None:  # noqa: ANN001
+    r["calls"] = cc.counted(step, steps=COUNT_STEPS)
+    r["calls_per_step"] = r["calls"]["total"]
+    r["calls_in"] = cc.area_counts()
+    r["top_functions"] = cc.top()
 
 
 def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices: list,  # noqa: ANN001
                    dev: str) -> None:
     """Checks, then counts a wrapper's step. The counter is entered before the wrapper exists so
     that any thread the wrapper starts carries the hook."""
-    with timing.CallCounter(_areas()) as cc, modes.wrapped(mode, model, devices) as call:
+    codes = timing.forward_codes(model)
+    with timing.CallCounter(_areas(), codes) as cc, modes.wrapped(mode, model, devices) as call:
         if s.check:
             with modes.mode_context(mode):
                 r["check"] = modes.check(model, call, args, len(devices), dev,
@@ -186,9 +199,7 @@ def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices:
         step = modes.in_mode(mode, modes.train_step(call, args))
         for _ in range(COUNT_WARMUP):
             step()
-        r["calls_per_step"] = cc.counted(step, steps=COUNT_STEPS)
-        r["calls_in"] = cc.area_counts(steps=COUNT_STEPS)
-        r["top_functions"] = cc.top(steps=COUNT_STEPS)
+        _record_counts(r, cc, step)
     model.zero_grad(set_to_none=True)
 
 
@@ -252,7 +263,7 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
                 consume_graph(reps)
                 held: list = []
                 with timing.CallCounter() as cc:  # the replicate() call alone, steady state
-                    r["calls_per_call"] = cc.counted(lambda: held.append(fn()))
+                    r["calls_per_call"] = cc.counted(lambda: held.append(fn()))["total"]
                     r["top_functions"] = cc.top()
                 consume_graph(held.pop())
 

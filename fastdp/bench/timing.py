@@ -139,41 +139,62 @@ class CallCounter:
     The profile hook is installed with ``sys.setprofile`` and ``threading.setprofile`` when the
     counter is entered, so threads started afterwards (e.g. persistent replica workers created on
     the first step) carry it too; ``threading.setprofile_all_threads`` (Python >= 3.12) also
-    reaches threads that already exist. Counting is off until ``counting()`` turns it on, so
-    warm-up steps inside the ``with`` block are not counted. On exit the hook uninstalls itself in
-    each thread at that thread's next Python event. C functions (``'c_call'``) are not counted.
-    Calls made on threads that Python does not start (e.g. the CUDA autograd engine's device
-    threads) are invisible to the hook.
+    reaches threads that already exist. Counting is off except inside ``counted()``, so warm-up
+    steps inside the ``with`` block are not counted. On exit the hook uninstalls itself in each
+    thread at that thread's next Python event. C functions (``'c_call'``) are not counted. Calls
+    made on threads that Python does not start (e.g. the CUDA autograd engine's device threads)
+    are invisible to the hook.
+
+    ``model_codes``: code objects of the model's ``forward`` methods. A call made while a frame
+    running one of them is live in the same thread (the forward itself included) is counted as the
+    model's (``model_count``), whatever object it runs on: the original module or a replica.
+    ``top`` lists only the calls outside the model.
     """
 
-    def __init__(self, areas: dict[str, str] | None = None) -> None:
+    def __init__(self, areas: dict[str, str] | None = None, model_codes: set | None = None) -> None:
         """``areas`` maps a name to a path prefix: calls whose code file starts with it are also
         counted under that name (``area_counts``); the prefix under ``"_exclude"`` is left out."""
         self.count = 0
+        self.model_count = 0
         self.areas = {k: v for k, v in (areas or {}).items() if k != "_exclude"}
         self._exclude = (areas or {}).get("_exclude")
+        self._model_codes = frozenset(model_codes or ())
         self.in_area = dict.fromkeys(self.areas, 0)
         self.by_code: dict = {}
-        self._area_start = dict(self.in_area)
         self._on = False
         self._installed = False
         self._lock = threading.Lock()
+        self._tls = threading.local()
 
     def _hook(self, frame, event, arg):  # noqa: ANN001 (the profiler's signature)
         if not self._installed:
             sys.setprofile(None)
             return
-        if self._on and event == "call":
-            with self._lock:
-                self.count += 1
-                code = frame.f_code
-                self.by_code[code] = self.by_code.get(code, 0) + 1
-                if self.areas:
-                    f = frame.f_code.co_filename
-                    if not (self._exclude and f.startswith(self._exclude)):
-                        for name, prefix in self.areas.items():
-                            if f.startswith(prefix):
-                                self.in_area[name] += 1
+        if not self._on:
+            return
+        code = frame.f_code
+        if event == "return":
+            if code in self._model_codes:
+                self._tls.inside = max(0, getattr(self._tls, "inside", 0) - 1)
+            return
+        if event != "call":
+            return
+        inside = getattr(self._tls, "inside", 0)
+        if code in self._model_codes:
+            inside += 1
+            self._tls.inside = inside
+        with self._lock:
+            self.count += 1
+            if inside:
+                self.model_count += 1
+                return
+            self.by_code[code] = self.by_code.get(code, 0) + 1
+            if self.areas:
+                f = code.co_filename
+                if not (self._exclude and f.startswith(self._exclude)):
+                    for name, prefix in self.areas.items():
+                        if f.startswith(prefix):
+                            self.in_area[name] += 1
 
     def __enter__(self) -> CallCounter:
         self._installed = True
@@ -190,26 +211,39 @@ class CallCounter:
         threading.setprofile(None)
         sys.setprofile(None)
 
-    def counted(self, fn: Callable[[], object], steps: int = 1) -> float:
-        """Calls ``fn`` ``steps`` times with counting on; returns the calls per step."""
-        start = self.count
-        self._area_start = dict(self.in_area)
+    def counted(self, fn: Callable[[], object], steps: int = 1) -> dict[str, float]:
+        """Calls ``fn`` ``steps`` times with counting on; returns calls per step: ``total``,
+        ``model`` (inside the model's forward), ``outside`` (the rest)."""
+        self.count = self.model_count = 0
+        self.in_area = dict.fromkeys(self.areas, 0)
         self.by_code = {}
+        self._steps = steps
         self._on = True
         try:
             for _ in range(steps):
                 fn()
         finally:
             self._on = False
-        return (self.count - start) / steps
+        return {"total": self.count / steps, "model": self.model_count / steps,
+                "outside": (self.count - self.model_count) / steps}
 
-    def top(self, n: int = 12, steps: int = 1) -> list[list]:
-        """The ``n`` most called functions during the last ``counted`` call, per step, as
-        ``[path/to/file.py:line function, calls]`` (last three path components)."""
+    def top(self, n: int = 12) -> list[list]:
+        """The ``n`` most called functions outside the model during the last ``counted``, per
+        step, as ``[path/to/file.py:line function, calls]`` (last three path components)."""
         rows = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
         return [[f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}",
-                 k / steps] for c, k in rows]
+                 k / self._steps] for c, k in rows]
 
-    def area_counts(self, steps: int = 1) -> dict[str, float]:
-        """Calls per step in each area during the last ``counted`` call."""
-        return {k: (self.in_area[k] - self._area_start[k]) / steps for k in self.areas}
+    def area_counts(self) -> dict[str, float]:
+        """Calls per step outside the model in each area during the last ``counted``."""
+        return {k: v / self._steps for k, v in self.in_area.items()}
+
+
+def forward_codes(module) -> set:  # noqa: ANN001
+    """The code objects of the ``forward`` methods of ``module`` and all its submodules."""
+    codes = set()
+    for m in module.modules():
+        f = getattr(type(m).forward, "__code__", None)
+        if f is not None:
+            codes.add(f)
+    return codes
