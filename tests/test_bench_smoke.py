@@ -54,6 +54,7 @@ def test_bench_records_cover_every_cpu_suite_and_mode(tiny_run):
     assert checked and all("check" in r for r in checked)
     over = [r for r in recs if r["suite"] == "overhead" and r["mode"] == "fastdp"]
     assert over and all("wrapper_calls_per_step" in r and "overhead_ms" in r for r in over)
+    assert all({"total", "model", "outside"} <= set(r["calls"]) for r in over)
 
 
 def test_bench_writes_table(tiny_run):
