@@ -228,3 +228,23 @@ def test_deleting_wrapper_releases_threads_and_replicas():
     assert all(r() is None for r in refs)
     assert all(r() is None for r in params)
     assert wait_threads(baseline) == baseline
+
+
+@pytest.mark.parametrize("finish", ["backward", "no_backward", "no_grad"])
+def test_parameters_freed_after_wrapper_deleted(finish):
+    """Regression: the C++ Refresh node owned its RefreshState, whose tensors had that node as
+    grad_fn, a C++ reference cycle: every wrapper leaked its model, replicas and gradients."""
+    refs = []
+    for _ in range(3):
+        model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
+        fdp = FastDataParallel(model, CPU4)
+        for _ in range(2):
+            with torch.set_grad_enabled(finish != "no_grad"):
+                out = fdp(torch.randn(16, 64))
+            if finish == "backward":
+                out.sum().backward()
+        refs += [weakref.ref(p) for p in model.parameters()]
+        refs += [weakref.ref(b) for b in model.buffers()]
+        del fdp, model, out
+    gc.collect()
+    assert all(r() is None for r in refs)
