@@ -8,6 +8,8 @@ changes and plays DataParallel's semantics by hand: each chunk through the twin,
 chunk 0 only, gradients summed. After every step the wrapper's outputs, parameter gradients and
 buffers must equal the twin's; then the twin takes the model's exact values (the two sum chunk
 gradients in different orders, and rounding must not accumulate across steps and dtype changes).
+It runs with CPU replicas aliasing the originals' storage (the default on one device) and with
+copies refreshed every step (``ReplicaSet.alias_same_device = False``: the distinct-GPU path).
 ``test_state_machine_catches_stale_replicas`` runs the machine against a cache that never
 invalidates, or never refreshes, and requires it to fail.
 
@@ -251,7 +253,11 @@ def _every_backend(backend):
     yield backend
 
 
-def test_persistent_replicas_state_machine():
+@pytest.mark.parametrize("alias", [True, False], ids=["aliased", "copied"])
+def test_persistent_replicas_state_machine(monkeypatch, alias):
+    """``aliased``: CPU replicas share the originals' storage (the default on one device);
+    ``copied``: every replica has its own tensors, refreshed each step (the distinct-GPU path)."""
+    monkeypatch.setattr(ReplicaSet, "alias_same_device", alias)
     PersistentReplicas.TestCase().runTest()
 
 
@@ -265,9 +271,10 @@ Sabotaged.TestCase.settings = settings(
 
 @pytest.mark.parametrize("sabotage", ["never_invalidate", "never_refresh"])
 def test_state_machine_catches_stale_replicas(monkeypatch, sabotage):
+    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)  # copies that must be refreshed
     if sabotage == "never_invalidate":
         monkeypatch.setattr(ReplicaSet, "valid", lambda self: True)
     else:
-        monkeypatch.setattr(ReplicaSet, "copy_sources", lambda self, sources: None)
+        monkeypatch.setattr(ReplicaSet, "refresh", lambda self: self.replicas)
     with pytest.raises(Exception):  # noqa: B017  (an assertion or an error from a stale replica)
         Sabotaged.TestCase().runTest()
