@@ -1,6 +1,6 @@
 """Soak: many training steps on CPU replicas; memory and threads stay flat after warm-up.
 
-The CI variant runs ``FASTDP_SOAK_STEPS`` steps (default 2000: about 15 s on two cores).
+The CI variant runs ``FASTDP_SOAK_STEPS`` steps (default 2000: ~15 s on two cores, both variants).
 The long variant is the same test with more steps:
 
     FASTDP_SOAK_STEPS=10000 PYTHONPATH=. python -m pytest tests/test_soak.py -q -s
@@ -18,12 +18,13 @@ equivalence is the property tests' subject), with one intra-op thread (the repli
 the cores), in two variants: persistent replicas and worker threads (the default), and fresh
 replicas and threads every step (``persistent=False``, DataParallel's way).
 
-Measured on the development machine (2 cores, shared), one intra-op thread:
+Measured on the development machine (2 cores, shared), one intra-op thread, main as of the merge
+of the reusable C++ Refresh node:
 
-* persistent: 2,000 steps in 4.4 s (~450 steps/s); 10,000 steps in 22.6 s, RSS 318.5 -> 319.9 MiB,
-  threads 5 -> 5 (main + 4 workers), native 6 -> 6, gc objects flat; 30,000 steps: RSS 316.2 ->
-  316.8 MiB with shrinking increments (+0.13 MiB per 3,000 steps early, +0.02 late).
-* fresh replicas: 2,000 steps in ~10 s (~190 steps/s); 10,000 steps in 55 s, RSS 318.8 -> 323.1
+* persistent: 2,000 steps in 3.1 s (~650 steps/s); 10,000 steps in 13.9 s, RSS 318.7 -> 320.8 MiB,
+  threads 5 -> 5 (main + 4 workers), native 6 -> 6, gc objects flat; 30,000 steps: RSS 315.4 MiB
+  at step 3,000 -> 316.2 MiB at the end (+0.03 MiB per 3,000 steps late), gc objects constant.
+* fresh replicas: 2,000 steps in 11.5 s (~175 steps/s); 10,000 steps in 48 s, RSS 322.3 -> 326.5
   MiB; 30,000 steps: RSS 316.6 -> 324.8 MiB in plateaus (allocator arenas of per-step threads),
   gc object count constant, threads flat.
 * With torch's default two intra-op threads on a loaded machine, steps were 20x slower (OpenMP
