@@ -268,6 +268,12 @@ def test_state_machine_catches_stale_replicas(monkeypatch, sabotage):
     if sabotage == "never_invalidate":
         monkeypatch.setattr(ReplicaSet, "valid", lambda self: True)
     else:
+        # Only copies can go stale (same-device replicas alias the originals): force copies, and
+        # the torch path, whose copy is a patchable Python method.
+        from fastdp import _backend
+
+        monkeypatch.setattr(_backend, "_enabled", False)
+        monkeypatch.setattr(ReplicaSet, "alias_same_device", False)
         monkeypatch.setattr(ReplicaSet, "copy_sources", lambda self, sources: None)
     with pytest.raises(Exception):  # noqa: B017  (an assertion or an error from a stale replica)
         Sabotaged.TestCase().runTest()
