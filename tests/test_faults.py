@@ -140,7 +140,7 @@ def test_failed_step_leaves_no_reference_cycle():
     with pytest.raises(ValueError, match="Caught ValueError in replica 2") as excinfo:
         fdp(batch(4))
     del excinfo  # the traceback holds the step's frames
-    assert gc.collect() == 0
+    gc.collect()  # unrelated garbage from earlier tests; fdp and model are still referenced here
     refs = [weakref.ref(fdp), weakref.ref(model)]
     gc.disable()
     try:
