@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "build_info.h"
+#include "comm.h"
 #include "planner.h"
 
 namespace py = pybind11;
@@ -26,4 +27,53 @@ PYBIND11_MODULE(_C, m) {
       py::arg("leaf_sizes"), py::arg("num_devices"), py::arg("chunk_sizes") = py::none(),
       "Chunk sizes per leaf (torch.chunk semantics, or the explicit chunk_sizes validated against "
       "every leaf). Raises ValueError when leaves split into different numbers of chunks.");
+
+  // ---- Coalesced broadcast / reduce-add (csrc/comm.h) ----
+  m.def(
+      "broadcast_coalesced",
+      [](const std::vector<at::Tensor>& tensors, const std::vector<at::Device>& devices,
+         int64_t buffer_size) {
+        py::gil_scoped_release no_gil;
+        return fastdp::broadcast_coalesced(tensors, devices, buffer_size);
+      },
+      py::arg("tensors"), py::arg("devices"), py::arg("buffer_size") = 10485760,
+      "torch.nn.parallel.comm.broadcast_coalesced: result[0] are `tensors` themselves, result[d] "
+      "bit-identical contiguous copies on devices[d] (views into flat per-dtype buckets of at most "
+      "buffer_size bytes, own version counters). devices: torch.device objects, all CPU or all "
+      "CUDA; one grouped NCCL call for distinct GPUs, device copies for repeated ids.");
+  m.def(
+      "broadcast_coalesced_into",
+      [](const std::vector<at::Tensor>& tensors, const std::vector<std::vector<at::Tensor>>& outs) {
+        py::gil_scoped_release no_gil;
+        fastdp::broadcast_coalesced_into(tensors, outs);
+      },
+      py::arg("tensors"), py::arg("outs"),
+      "Refreshes persistent copies in place (one call per step): outs[k][j] = tensors[j] for every "
+      "destination k. Destinations laid out as buckets (e.g. result[1:] of broadcast_coalesced) "
+      "take one NCCL op / copy per bucket; any other layout is copied per tensor. Bumps the "
+      "outs' version counters.");
+  m.def(
+      "reduce_add_coalesced",
+      [](const std::vector<std::vector<at::Tensor>>& inputs, at::Device destination,
+         int64_t buffer_size) {
+        py::gil_scoped_release no_gil;
+        return fastdp::reduce_add_coalesced(inputs, destination, buffer_size);
+      },
+      py::arg("inputs"), py::arg("destination"), py::arg("buffer_size") = 10485760,
+      "torch.nn.parallel.comm.reduce_add_coalesced: result[j] = sum_i inputs[i][j] on "
+      "`destination` (a torch.device holding one input list; root = the last such list, summed "
+      "first, then the others in order). Dense tensors only; NCCL reduce for distinct GPUs.");
+  m.def(
+      "nccl_available",
+      []() { return fastdp::nccl_available(); },
+      "Whether this build links NCCL (used by the coalesced ops for distinct GPUs).");
+  m.def(
+      "nccl_comm_info",
+      [](const std::vector<int64_t>& devices) {
+        py::gil_scoped_release no_gil;
+        return fastdp::nccl_comm_info(devices);
+      },
+      py::arg("devices"),
+      "The cached NCCL communicators for CUDA device indices `devices` (rank order), created on "
+      "first use: a list of (cuda device, rank, number of ranks). Raises without NCCL.");
 }

@@ -1,0 +1,28 @@
+#pragma once
+// CPU backend of the coalesced broadcast / reduce-add (csrc/comm.h): CPU "devices" are virtual
+// replicas in host memory, so both are plain multi-threaded memory passes (at::parallel_for).
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "comm_buckets.h"
+
+namespace fastdp {
+
+// For every destination k and bucket b: copies the tensors of bucket b from `srcs` (contiguous, no
+// conj/neg bit) into dsts[k][b] (contiguous 1-D, b.numel elements of b.dtype) at the bucket's
+// offsets. One parallel pass over all bytes of all destinations; bit-exact for every dtype.
+// dsts must not overlap srcs. Synchronous: done on return.
+void broadcast_flat_cpu(at::TensorList srcs, const std::vector<Bucket>& buckets,
+                        const std::vector<std::vector<at::Tensor>>& dsts);
+
+// For each bucket b of inputs[0]'s list: a fresh flat CPU tensor whose segment for tensor j is
+// inputs[root][j] + inputs[i][j] for the other i in list order, rounded to the dtype after each add
+// (bit-identical to torch's `root + x0; add_(x1); ...`). Inputs contiguous with equal dtypes and
+// sizes per position. Dtypes: all real, complex, half, bfloat16 and bool (sum = logical or).
+std::vector<at::Tensor> reduce_flat_cpu(const std::vector<std::vector<at::Tensor>>& inputs,
+                                        int64_t root, const std::vector<Bucket>& buckets);
+
+}  // namespace fastdp
