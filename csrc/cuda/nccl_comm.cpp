@@ -25,10 +25,14 @@
 //   rank order (the root of a collective is a rank). A single-rank clique is valid. The current
 //   device is restored afterwards (NCCL switches devices while initialising).
 // - Locking: one process-wide mutex covers cache lookup, creation and every launch from
-//   ncclGroupStart to ncclGroupEnd. NCCL forbids using a communicator from two threads at once,
-//   and two threads launching on overlapping device sets could enqueue their collectives in
-//   different orders on different GPUs, which deadlocks. Launches are asynchronous, so the lock is
-//   held for microseconds; contention only arises between concurrent DataParallel steps.
+//   ncclGroupStart to ncclGroupEnd. NCCL's thread-safety rules: a communicator must not be driven
+//   by two threads at once, a group must be issued by one thread, and operations on independent
+//   communicators of one device must not be issued in parallel either ("Using multiple NCCL
+//   communicators concurrently"); two threads launching on overlapping device sets could also
+//   enqueue their collectives in different orders on different GPUs and deadlock. Launches are
+//   asynchronous, so the lock is held for microseconds. It does not cover NCCL use outside fastdp
+//   (torch.cuda.nccl, ProcessGroupNCCL) from other threads at the same moment; nor is the one-
+//   thread-many-GPUs launch safe under CUDA graph capture (NCCL advises against it).
 // - Grouping: one thread drives every rank, so the calls of all ranks must sit in one group, or the
 //   first call would wait for ranks never launched. All buckets of a call share one group (one
 //   launch). Nothing is allocated inside the group: an allocation could make the caching allocator
