@@ -7,6 +7,7 @@
 #include "build_info.h"
 #include "comm.h"
 #include "planner.h"
+#include "signature.h"
 
 namespace py = pybind11;
 
@@ -27,6 +28,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("leaf_sizes"), py::arg("num_devices"), py::arg("chunk_sizes") = py::none(),
       "Chunk sizes per leaf (torch.chunk semantics, or the explicit chunk_sizes validated against "
       "every leaf). Raises ValueError when leaves split into different numbers of chunks.");
+
+  m.def(
+      "tensor_signature",
+      [](const std::vector<at::Tensor>& tensors) {
+        py::gil_scoped_release no_gil;
+        return fastdp::tensor_signature(tensors);
+      },
+      py::arg("tensors"),
+      "64-bit hash of the identity, storage, shape, strides, dtype, device and requires_grad of "
+      "each tensor (not values): persistent replicas are rebuilt when it changes.");
 
   // ---- Coalesced broadcast / reduce-add (csrc/comm.h) ----
   m.def(
