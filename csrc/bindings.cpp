@@ -71,9 +71,17 @@ PYBIND11_MODULE(_C, m) {
         return fastdp::reduce_add_coalesced(inputs, destination, buffer_size);
       },
       py::arg("inputs"), py::arg("destination"), py::arg("buffer_size") = 10485760,
-      "torch.nn.parallel.comm.reduce_add_coalesced: result[j] = sum_i inputs[i][j] on "
-      "`destination` (a torch.device holding one input list; root = the last such list, summed "
-      "first, then the others in order). Dense tensors only; NCCL reduce for distinct GPUs.");
+      "torch.nn.parallel.comm.reduce_add_coalesced: result[j] = inputs[0][j] + inputs[1][j] + ... "
+      "(list order, each add rounded to the dtype) on `destination`, a torch.device holding one "
+      "input list. Dense tensors only; one grouped NCCL reduce between distinct GPUs.");
+  m.def(
+      "coalesced_supported",
+      [](const std::vector<at::Tensor>& tensors, bool reduce) {
+        return fastdp::coalesced_supported(tensors, reduce);
+      },
+      py::arg("tensors"), py::arg("reduce") = false,
+      "Whether broadcast_coalesced(_into) (reduce=False) or reduce_add_coalesced (reduce=True) "
+      "serves all these tensors: strided layout and a supported dtype. Else use the torch path.");
   m.def(
       "nccl_available",
       []() { return fastdp::nccl_available(); },

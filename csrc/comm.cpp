@@ -21,13 +21,13 @@
 //   Python _take_tensors (reduce) before a tensor would overflow it. We use the Python rule for
 //   both: a bucket is <= buffer_size bytes unless it holds one larger tensor. Only which outputs
 //   share a storage can tell the two apart; values never depend on bucketing.
-// - reduce_add_coalesced sums in torch's reduce_add order: root = the last input list on the
-//   destination, result = root + others in list order, each step rounded to the dtype (the CPU and
-//   device-copy paths are bit-identical to torch's non-NCCL path). NCCL (distinct GPUs) sums in its
-//   own order, as torch's NCCL path does: equal within float tolerance, exact for integers.
-//   Differences from torch: CPU devices are supported (torch's reduce_add rejects them); with one
-//   input list the result is that list (torch returns views of it, or copies for multi-tensor
-//   buckets, depending on bucketing).
+// - reduce_add_coalesced sums in list order, x0 + x1 + ..., each step rounded to the dtype: the
+//   CPU and device-copy paths are bit-identical to fastdp.comm's torch path (and to torch's
+//   non-NCCL reduce_add for two lists; for more, torch adds the last list on the destination
+//   first). NCCL (distinct GPUs) sums in its own order, as torch's NCCL path does: equal within
+//   float tolerance, exact for integers. Differences from torch: CPU devices are supported (torch's
+//   reduce_add rejects them); one input list gives contiguous clones (torch returns views of the
+//   inputs or copies, depending on bucketing).
 // - Autograd: these are the primitives under the Broadcast / ReduceAddCoalesced Functions; the
 //   work runs below autograd, outputs never require grad, inputs are never modified except the
 //   outs of broadcast_coalesced_into, whose version counters are bumped.
@@ -71,6 +71,25 @@ std::vector<at::Tensor> materialized(at::TensorList ts) {
     }
   }
   return out;
+}
+
+// AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(Half, BFloat16, Bool): what the CPU kernel, at::add and
+// (or the copy path) NCCL sum.
+bool summable(at::ScalarType dt) {
+  switch (dt) {
+    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+    case at::kHalf: case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kBool:
+    case at::kComplexFloat: case at::kComplexDouble:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Broadcast moves bytes (memcpy, cat, copy_, NCCL bytes): a few more dtypes.
+bool copyable(at::ScalarType dt) {
+  return summable(dt) || at::isFloat8Type(dt) || dt == at::kComplexHalf || dt == at::kUInt16 ||
+         dt == at::kUInt32 || dt == at::kUInt64;
 }
 
 void check_like(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* what,
@@ -207,9 +226,12 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
   const bool cuda = check_device_kind(devices, op);
   TORCH_CHECK(root >= 0, op, ": destination ", destination,
               " must be the device of one of the input lists (as torch's reduce_add)");
-  if (inputs.size() == 1) return inputs[0];
-
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  if (inputs.size() == 1) {
+    std::vector<at::Tensor> copies;
+    for (const auto& t : ref) copies.push_back(at::clone(t, at::MemoryFormat::Contiguous));
+    return copies;
+  }
   std::vector<std::vector<at::Tensor>> srcs;
   srcs.reserve(inputs.size());
   for (const auto& in : inputs) srcs.push_back(materialized(in));
@@ -222,11 +244,19 @@ std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::T
 #endif
   {
     (void)cuda;
-    flats = reduce_flat_cpu(srcs, root, buckets);
+    flats = reduce_flat_cpu(srcs, buckets);
   }
   std::vector<at::Tensor> result(ref.size());
   for (size_t b = 0; b < buckets.size(); ++b) unflatten_bucket(flats[b], buckets[b], ref, result);
   return result;
+}
+
+bool coalesced_supported(at::TensorList tensors, bool reduce) {
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.layout() != at::kStrided) return false;
+    if (!(reduce ? summable(t.scalar_type()) : copyable(t.scalar_type()))) return false;
+  }
+  return true;
 }
 
 bool nccl_available() {

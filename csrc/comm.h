@@ -30,13 +30,18 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
 void broadcast_coalesced_into(at::TensorList tensors,
                               const std::vector<std::vector<at::Tensor>>& outs);
 
-// torch.nn.parallel.comm.reduce_add_coalesced: result[j] = sum over i of inputs[i][j], on
-// `destination`, which must be the device of one input list (root = the LAST such list, as torch).
-// Order of the sum: root first, then the others in list order (torch's non-NCCL reduce_add, bit for
-// bit); NCCL's own order between distinct GPUs (float tolerance). Results are fresh contiguous views
-// into flat buckets; with a single input list the result IS inputs[0]. Sparse tensors are rejected.
+// torch.nn.parallel.comm.reduce_add_coalesced: result[j] = inputs[0][j] + inputs[1][j] + ... in
+// list order (each add rounded to the dtype: bit-identical to fastdp.comm's torch path), on
+// `destination`, which must be the device of one input list. Between distinct GPUs one grouped NCCL
+// reduce, in NCCL's order (float tolerance, exact for integers). Results are fresh contiguous views
+// into flat buckets (one input list: contiguous clones). Sparse tensors are rejected.
 std::vector<at::Tensor> reduce_add_coalesced(const std::vector<std::vector<at::Tensor>>& inputs,
                                              at::Device destination, int64_t buffer_size);
+
+// Whether the coalesced ops serve every tensor: strided layout and a dtype they handle (reduce:
+// (u)int8..int64, half, bfloat16, float, double, complex64/128, bool; broadcast: also float8,
+// complex32, uint16/32/64). One call per list: fastdp.comm's per-call choice of extension or torch.
+bool coalesced_supported(at::TensorList tensors, bool reduce);
 
 // Whether this build can use NCCL (CUDA build that found NCCL); false on CPU builds.
 bool nccl_available();

@@ -1,9 +1,7 @@
-"""fastdp._C coalesced broadcast / reduce-add against torch.nn.parallel.comm semantics.
+"""fastdp._C.broadcast_coalesced(_into) against torch.nn.parallel.comm.broadcast_coalesced.
 
-References are plain torch: ``t.clone()`` for broadcast copies; for reduce, torch's reduce_add order
-(root = last input list on the destination, ``root + others[0]``, then ``add_`` the rest), which is
-bit-exact, plus ``sum`` within float tolerance. CPU "devices" always; CUDA variants skip without a
-GPU, the NCCL ones without NCCL or two GPUs.
+Reference: ``t.clone()``, bit for bit. CPU "devices" (virtual replicas) here; the CUDA and NCCL
+variants are in test_comm_ext_cuda.py, reduce in test_comm_ext_reduce.py.
 """
 
 from __future__ import annotations

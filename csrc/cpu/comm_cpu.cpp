@@ -39,30 +39,24 @@ void parallel_memcpy(const std::vector<Segment>& segs) {
   });
 }
 
-// out[0:m] = p[root] + p[first other] + ... in list order, rounded to T after every add.
+// out[0:m] = p[0] + p[1] + ... in list order, rounded to T after every add (p.size() >= 2).
 template <typename T>
-void sum_range(T* out, const std::vector<const T*>& p, size_t root, int64_t m) {
+void sum_range(T* out, const std::vector<const T*>& p, int64_t m) {
   for (int64_t b0 = 0; b0 < m; b0 += kBlock) {
     const int64_t len = std::min(kBlock, m - b0);
     T* o = out + b0;
-    const T* r = p[root] + b0;
-    bool first = true;
-    for (size_t i = 0; i < p.size(); ++i) {
-      if (i == root) continue;
+    const T* x0 = p[0] + b0;
+    const T* x1 = p[1] + b0;
+    for (int64_t e = 0; e < len; ++e) o[e] = static_cast<T>(x0[e] + x1[e]);
+    for (size_t i = 2; i < p.size(); ++i) {
       const T* x = p[i] + b0;
-      if (first) {
-        for (int64_t e = 0; e < len; ++e) o[e] = static_cast<T>(r[e] + x[e]);
-        first = false;
-      } else {
-        for (int64_t e = 0; e < len; ++e) o[e] = static_cast<T>(o[e] + x[e]);
-      }
+      for (int64_t e = 0; e < len; ++e) o[e] = static_cast<T>(o[e] + x[e]);
     }
   }
 }
 
 template <typename T>
-void reduce_bucket(const std::vector<std::vector<at::Tensor>>& inputs, size_t root,
-                   const Bucket& b, T* out) {
+void reduce_bucket(const std::vector<std::vector<at::Tensor>>& inputs, const Bucket& b, T* out) {
   // Non-empty segments of the bucket, with a pointer per input list for each.
   const size_t n = inputs.size();
   std::vector<int64_t> lo, hi;
@@ -81,7 +75,7 @@ void reduce_bucket(const std::vector<std::vector<at::Tensor>>& inputs, size_t ro
     while (begin < end) {
       const int64_t stop = std::min(end, hi[s]);
       for (size_t i = 0; i < n; ++i) p[i] = table[s * n + i] + (begin - lo[s]);
-      sum_range(out + begin, p, root, stop - begin);
+      sum_range(out + begin, p, stop - begin);
       begin = stop;
       ++s;
     }
@@ -111,15 +105,14 @@ void broadcast_flat_cpu(at::TensorList srcs, const std::vector<Bucket>& buckets,
 }
 
 std::vector<at::Tensor> reduce_flat_cpu(const std::vector<std::vector<at::Tensor>>& inputs,
-                                        int64_t root, const std::vector<Bucket>& buckets) {
+                                        const std::vector<Bucket>& buckets) {
   std::vector<at::Tensor> flats;
   flats.reserve(buckets.size());
   for (const auto& b : buckets) {
     auto flat = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype).device(at::kCPU));
     AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(
         at::kHalf, at::kBFloat16, at::kBool, b.dtype, "fastdp.reduce_add_coalesced", [&] {
-          reduce_bucket<scalar_t>(inputs, static_cast<size_t>(root), b,
-                                  flat.mutable_data_ptr<scalar_t>());
+          reduce_bucket<scalar_t>(inputs, b, flat.mutable_data_ptr<scalar_t>());
         });
     flats.push_back(std::move(flat));
   }

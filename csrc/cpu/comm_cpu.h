@@ -19,10 +19,10 @@ void broadcast_flat_cpu(at::TensorList srcs, const std::vector<Bucket>& buckets,
                         const std::vector<std::vector<at::Tensor>>& dsts);
 
 // For each bucket b of inputs[0]'s list: a fresh flat CPU tensor whose segment for tensor j is
-// inputs[root][j] + inputs[i][j] for the other i in list order, rounded to the dtype after each add
-// (bit-identical to torch's `root + x0; add_(x1); ...`). Inputs contiguous with equal dtypes and
-// sizes per position. Dtypes: all real, complex, half, bfloat16 and bool (sum = logical or).
+// inputs[0][j] + inputs[1][j] + ... in list order, rounded to the dtype after each add (bit-identical
+// to torch's `x0 + x1`, then `add_` of the rest). At least two input lists, contiguous, equal dtypes
+// and sizes per position. Dtypes: all real, complex, half, bfloat16 and bool (sum = logical or).
 std::vector<at::Tensor> reduce_flat_cpu(const std::vector<std::vector<at::Tensor>>& inputs,
-                                        int64_t root, const std::vector<Bucket>& buckets);
+                                        const std::vector<Bucket>& buckets);
 
 }  // namespace fastdp

@@ -25,19 +25,12 @@ std::vector<int> indices(const std::vector<at::Device>& devices) {
   return out;
 }
 
-// torch's reduce_add without NCCL: root + others[0] (copied to the root device), then add_ the rest.
+// Sum in list order on the root device: x0 + x1 (each copied there when elsewhere, non-blocking;
+// a + b == b + a bit for bit, so the order is that of the list), then add_ the others.
 at::Tensor sum_by_copies(const std::vector<at::Tensor>& parts, size_t root) {
-  at::Tensor result;
   const auto opts = parts[root].options();
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (i == root) continue;
-    auto x = parts[i].to(opts, /*non_blocking=*/true);
-    if (result.defined()) {
-      result.add_(x);
-    } else {
-      result = parts[root] + x;
-    }
-  }
+  auto result = parts[0].to(opts, /*non_blocking=*/true) + parts[1].to(opts, /*non_blocking=*/true);
+  for (size_t i = 2; i < parts.size(); ++i) result.add_(parts[i].to(opts, /*non_blocking=*/true));
   return result;
 }
 

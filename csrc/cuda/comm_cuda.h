@@ -22,9 +22,9 @@ void broadcast_flat_cuda(at::TensorList srcs, at::Device src_device,
                          const std::vector<std::vector<at::Tensor>>& dsts, const char* op);
 
 // For each bucket b of inputs[0]'s list: a fresh flat tensor on devices[root] holding, per tensor,
-// the sum over the input lists (inputs[i] contiguous, on devices[i]). NCCL reduce when the devices
-// are distinct and NCCL sums the dtype; otherwise torch's order: root + the others in list order
-// (copied to the root device, non-blocking). Asynchronous, on the current streams.
+// the sum over the (at least two) input lists (inputs[i] contiguous, on devices[i]). NCCL reduce
+// when the devices are distinct and NCCL sums the dtype (NCCL's order); otherwise list order,
+// x0 + x1 + ..., copied to the root device non-blocking. Asynchronous, on the current streams.
 std::vector<at::Tensor> reduce_flat_cuda(const std::vector<std::vector<at::Tensor>>& inputs,
                                          const std::vector<at::Device>& devices, int64_t root,
                                          const std::vector<Bucket>& buckets, const char* op);
