@@ -73,8 +73,8 @@ std::vector<at::Tensor> materialized(at::TensorList ts) {
   return out;
 }
 
-// AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(Half, BFloat16, Bool): what the CPU kernel, at::add and
-// (or the copy path) NCCL sum.
+// AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(Half, BFloat16, Bool): what the CPU kernel and at::add
+// sum (NCCL sums a subset; the others take the device-copy path between GPUs).
 bool summable(at::ScalarType dt) {
   switch (dt) {
     case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
