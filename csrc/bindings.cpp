@@ -6,6 +6,7 @@
 
 #include "build_info.h"
 #include "comm.h"
+#include "comm_buckets.h"
 #include "planner.h"
 #include "signature.h"
 
@@ -82,6 +83,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"), py::arg("reduce") = false,
       "Whether broadcast_coalesced(_into) (reduce=False) or reduce_add_coalesced (reduce=True) "
       "serves all these tensors: strided layout and a supported dtype. Else use the torch path.");
+  m.def(
+      "_coalesced_runs",
+      [](const std::vector<at::Tensor>& tensors, const std::vector<std::vector<at::Tensor>>& outs) {
+        std::vector<int64_t> strided;
+        std::vector<std::vector<int64_t>> runs;
+        for (const auto& r : fastdp::dense_runs(tensors, outs, strided)) runs.push_back(r.index);
+        return std::make_pair(runs, strided);
+      },
+      py::arg("tensors"), py::arg("outs"),
+      "Diagnostics: how broadcast_coalesced_into's CUDA path groups `outs` (index lists of the "
+      "runs refreshed by one flat copy / NCCL op each, and the indices copied one by one).");
   m.def(
       "nccl_available",
       []() { return fastdp::nccl_available(); },

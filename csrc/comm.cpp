@@ -176,22 +176,23 @@ void broadcast_coalesced_into(at::TensorList tensors,
 
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const auto srcs = materialized(tensors);
-  std::vector<int64_t> strided;
-  const auto runs = dense_runs(srcs, outs, strided);
-  const auto flats = run_aliases(runs, outs);
-  const std::vector<at::Device> dst_devices(devices.begin() + 1, devices.end());
+  std::vector<std::pair<size_t, size_t>> strided;  // (k, j): copied one by one
 #ifdef WITH_CUDA
   if (cuda) {
-    broadcast_flat_cuda(srcs, devices[0], runs, dst_devices, flats, op);
+    std::vector<int64_t> loose;
+    const auto runs = dense_runs(srcs, outs, loose);
+    const std::vector<at::Device> dst_devices(devices.begin() + 1, devices.end());
+    broadcast_flat_cuda(srcs, devices[0], runs, dst_devices, run_aliases(runs, outs), op);
+    for (const auto j : loose) {
+      for (size_t k = 0; k < outs.size(); ++k) strided.emplace_back(k, static_cast<size_t>(j));
+    }
   } else
 #endif
   {
     (void)cuda;
-    broadcast_flat_cpu(srcs, runs, flats);
+    strided = copy_into_cpu(srcs, outs);
   }
-  for (const auto j : strided) {
-    for (const auto& o : outs) o[j].copy_(srcs[j], /*non_blocking=*/true);
-  }
+  for (const auto& [k, j] : strided) outs[k][j].copy_(srcs[j], /*non_blocking=*/true);
   for (const auto& o : outs) {
     for (const auto& t : o) {
       if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();

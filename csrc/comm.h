@@ -23,10 +23,10 @@ std::vector<std::vector<at::Tensor>> broadcast_coalesced(at::TensorList tensors,
 
 // Refreshes persistent copies in place, one call per step: afterwards outs[k][j] == tensors[j]
 // bit for bit, for every destination k. outs[k] lives on one device (CPU or CUDA, the same kind as
-// tensors'); shapes and dtypes equal tensors'. Destinations laid out as buckets (e.g. the outputs
-// result[1:] of broadcast_coalesced) get one NCCL op / copy / memcpy per bucket; other layouts are
-// accepted and copied per tensor. Bumps the version counter of every out; outs must not overlap
-// each other or `tensors`. Same streams and ordering as broadcast_coalesced.
+// tensors'); shapes and dtypes equal tensors'. CPU: one parallel memcpy pass over everything. CUDA:
+// destinations laid out as buckets (e.g. result[1:] of broadcast_coalesced) take one NCCL op or
+// copy per bucket, other layouts one copy per tensor. Bumps every out's version counter; outs must
+// not overlap each other or `tensors`. Streams and ordering as broadcast_coalesced.
 void broadcast_coalesced_into(at::TensorList tensors,
                               const std::vector<std::vector<at::Tensor>>& outs);
 

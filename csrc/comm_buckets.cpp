@@ -9,11 +9,6 @@ namespace {
 
 constexpr size_t kNumDtypes = static_cast<size_t>(at::ScalarType::NumOptions);
 
-// A destination that one flat copy can fill: plain contiguous, no lazy conj/neg bit.
-bool flat_copyable(const at::Tensor& t) {
-  return t.is_contiguous() && !t.is_conj() && !t.is_neg();
-}
-
 // `b` starts right where `a` ends, in the same storage.
 bool follows(const at::Tensor& a, const at::Tensor& b) {
   if (a.storage().unsafeGetStorageImpl() != b.storage().unsafeGetStorageImpl()) return false;
@@ -22,6 +17,10 @@ bool follows(const at::Tensor& a, const at::Tensor& b) {
 }
 
 }  // namespace
+
+bool flat_copyable(const at::Tensor& t) {
+  return t.is_contiguous() && !t.is_conj() && !t.is_neg();
+}
 
 std::vector<Bucket> take_buckets(at::TensorList tensors, int64_t buffer_size) {
   std::vector<Bucket> done;

@@ -35,11 +35,15 @@ at::Tensor alias_contiguous(const at::Tensor& base, int64_t offset, at::IntArray
 void unflatten_bucket(const at::Tensor& flat, const Bucket& b, at::TensorList like,
                       std::vector<at::Tensor>& out);
 
+// Whether one flat copy can fill `t`: plain contiguous, no lazy conj/neg bit.
+bool flat_copyable(const at::Tensor& t);
+
 // Maximal runs of tensors whose destinations are laid out like a bucket on EVERY destination k:
 // same dtype, contiguous, in one storage, each starting where the previous one (of that dtype, in
 // list order) ends: exactly what broadcast_coalesced's outputs look like. Such a run is refreshed
-// by one flat copy. 0-size tensors are skipped (nothing to copy). Positions whose destination is
-// not plain contiguous (strided, conj/neg bit) go to `strided` and are copied one by one.
+// by one flat copy or NCCL op (the CUDA path of broadcast_coalesced_into). 0-size tensors are
+// skipped (nothing to copy); positions with a destination that is not flat_copyable go to
+// `strided` and are copied one by one.
 std::vector<Bucket> dense_runs(at::TensorList srcs, const std::vector<std::vector<at::Tensor>>& outs,
                                std::vector<int64_t>& strided);
 

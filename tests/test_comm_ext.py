@@ -257,3 +257,47 @@ def test_into_rejects_mismatched_outs():
 def test_into_empty_is_a_no_op():
     bcast_into([], [[], []])
     bcast_into([torch.randn(2)], [])
+
+
+# ---- the CUDA refresh's run detection (pure pointer logic, testable on CPU) ---------------------
+
+runs_of = ext_op("_coalesced_runs")
+needs_runs = pytest.mark.skipif(runs_of is None, reason="fastdp._C lacks _coalesced_runs")
+
+
+@needs_runs
+def test_runs_of_broadcast_outputs_are_its_buckets():
+    ts = [torch.randn(5) for _ in range(6)] + [torch.arange(3)] + [torch.randn(2)]
+    result = bcast(ts, [CPU] * 3, 44)  # float buckets: 2 tensors of 20 bytes each
+    runs, strided = runs_of(ts, result[1:])
+    assert strided == []
+    assert sorted(runs) == [[0, 1], [2, 3], [4, 5], [6], [7]]
+
+
+@needs_runs
+def test_runs_split_where_any_destination_breaks_adjacency():
+    ts = [torch.randn(4) for _ in range(4)]
+    a, b = torch.empty(16), torch.empty(16)
+    outs = [[a[0:4], a[4:8], a[8:12], a[12:16]], [b[0:4], b[4:8], b[12:16], b[8:12]]]
+    runs, strided = runs_of(ts, outs)
+    assert sorted(runs) == [[0, 1], [2], [3]] and strided == []
+
+
+@needs_runs
+def test_runs_skip_empty_and_list_strided():
+    ts = [torch.randn(2), torch.randn(0), torch.randn(3), torch.randn(2, 2), torch.randn(1)]
+    flat = torch.empty(6)
+    outs = [[flat[0:2], torch.empty(0), flat[2:5], torch.empty(2, 2).t(), flat[5:6]]]
+    runs, strided = runs_of(ts, outs)
+    assert runs == [[0, 2, 4]] and strided == [3]
+
+
+@needs_runs
+def test_runs_never_cross_storages_or_dtypes():
+    ts = [torch.randn(2), torch.randn(2), torch.arange(2)]
+    flat = torch.empty(4)
+    separate = [torch.empty(2), torch.empty(2)]
+    runs, _ = runs_of(ts, [[separate[0], separate[1], torch.empty(2, dtype=torch.int64)]])
+    assert sorted(runs) == [[0], [1], [2]]
+    runs, _ = runs_of(ts, [[flat[:2], flat[2:], torch.empty(2, dtype=torch.int64)]])
+    assert sorted(runs) == [[0, 1], [2]]

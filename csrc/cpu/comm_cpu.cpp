@@ -104,6 +104,27 @@ void broadcast_flat_cpu(at::TensorList srcs, const std::vector<Bucket>& buckets,
   parallel_memcpy(segs);
 }
 
+std::vector<std::pair<size_t, size_t>> copy_into_cpu(
+    at::TensorList srcs, const std::vector<std::vector<at::Tensor>>& outs) {
+  std::vector<Segment> segs;
+  std::vector<std::pair<size_t, size_t>> strided;
+  for (size_t k = 0; k < outs.size(); ++k) {
+    for (size_t j = 0; j < srcs.size(); ++j) {
+      const int64_t nbytes = static_cast<int64_t>(srcs[j].nbytes());
+      if (nbytes == 0) continue;
+      const auto& out = outs[k][j];
+      if (!flat_copyable(out)) {
+        strided.emplace_back(k, j);
+        continue;
+      }
+      segs.push_back({static_cast<const char*>(srcs[j].const_data_ptr()),
+                      static_cast<char*>(out.mutable_data_ptr()), nbytes});
+    }
+  }
+  parallel_memcpy(segs);
+  return strided;
+}
+
 std::vector<at::Tensor> reduce_flat_cpu(const std::vector<std::vector<at::Tensor>>& inputs,
                                         const std::vector<Bucket>& buckets) {
   std::vector<at::Tensor> flats;

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "comm_buckets.h"
@@ -17,6 +18,12 @@ namespace fastdp {
 // dsts must not overlap srcs. Synchronous: done on return.
 void broadcast_flat_cpu(at::TensorList srcs, const std::vector<Bucket>& buckets,
                         const std::vector<std::vector<at::Tensor>>& dsts);
+
+// broadcast_coalesced_into on the CPU: srcs[j] into outs[k][j] for every k and j whose out is
+// flat_copyable, in one parallel memcpy pass (no bucketing needed: host pointers are enough).
+// Returns the (k, j) of the other outs (strided, conj/neg views), left for the caller to copy_.
+std::vector<std::pair<size_t, size_t>> copy_into_cpu(
+    at::TensorList srcs, const std::vector<std::vector<at::Tensor>>& outs);
 
 // For each bucket b of inputs[0]'s list: a fresh flat CPU tensor whose segment for tensor j is
 // inputs[0][j] + inputs[1][j] + ... in list order, rounded to the dtype after each add (bit-identical
