@@ -75,6 +75,10 @@ void unflatten_bucket(const at::Tensor& flat, const Bucket& b, at::TensorList li
 
 std::vector<Bucket> dense_runs(at::TensorList srcs, const std::vector<std::vector<at::Tensor>>& outs,
                                std::vector<int64_t>& strided) {
+  for (const auto& o : outs) {
+    TORCH_CHECK(o.size() == srcs.size(), "fastdp: dense_runs: ", o.size(),
+                " destination tensors for ", srcs.size(), " sources");
+  }
   std::vector<Bucket> runs;
   std::vector<int64_t> open(kNumDtypes, -1);  // dtype -> index into runs of the open run
   for (size_t j = 0; j < srcs.size(); ++j) {

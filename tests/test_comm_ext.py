@@ -301,3 +301,9 @@ def test_runs_never_cross_storages_or_dtypes():
     assert sorted(runs) == [[0], [1], [2]]
     runs, _ = runs_of(ts, [[flat[:2], flat[2:], torch.empty(2, dtype=torch.int64)]])
     assert sorted(runs) == [[0, 1], [2]]
+
+
+@needs_runs
+def test_runs_reject_mismatched_lengths():
+    with pytest.raises(RuntimeError, match="destination tensors for 2 sources"):
+        runs_of([torch.randn(2), torch.randn(2)], [[torch.empty(2)]])
