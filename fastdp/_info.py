@@ -14,6 +14,7 @@ _STAGES = {
     "scatter": "scatter_chunks",
     "gather": "gather_into",
     "broadcast": "broadcast_coalesced",
+    "refresh": "broadcast_coalesced_into",
     "reduce": "reduce_add_coalesced",
 }
 

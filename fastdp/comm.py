@@ -26,6 +26,28 @@ def _dense(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.layout == torch.strided for t in tensors)
 
 
+def _coalesced_op(
+    name: str,
+    lists: Sequence[Sequence[torch.Tensor]],
+    devices: Sequence[torch.device],
+    reduce: bool = False,
+) -> Any:
+    """``fastdp._C.<name>`` when it serves this call, else None (torch path): the one decision.
+
+    Served: extension loaded and enabled, devices all CPU or all CUDA, every tensor strided with a
+    dtype the op handles (checked in C++, one call per list: no Python work per tensor).
+    """
+    ext = _backend.ext()
+    if ext is None or not hasattr(ext, name) or not hasattr(ext, "coalesced_supported"):
+        return None
+    if len({d.type for d in devices}) > 1:
+        return None
+    for tensors in lists:
+        if not ext.coalesced_supported(tensors, reduce):
+            return None
+    return getattr(ext, name)
+
+
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], devices: Sequence[Any], buffer_size: int = _DEFAULT_BUFFER
 ) -> list[list[torch.Tensor]]:
@@ -36,9 +58,9 @@ def broadcast_coalesced(
     """
     devs = [as_device(d) for d in devices]
     tensors = list(tensors)
-    ext = _backend.ext()
-    if ext is not None and hasattr(ext, "broadcast_coalesced") and _dense(tensors):
-        return [list(r) for r in ext.broadcast_coalesced(tensors, devs, buffer_size)]
+    op = _coalesced_op("broadcast_coalesced", [tensors], devs)
+    if op is not None:
+        return [list(r) for r in op(tensors, devs, buffer_size)]
     if len(devs) > 1 and all_distinct_cuda(devs):
         return _tcomm.broadcast_coalesced(tensors, [d.index for d in devs], buffer_size)
     with torch.no_grad():
@@ -56,9 +78,11 @@ def broadcast_into(
     tensors = list(tensors)
     if not tensors:
         return
-    ext = _backend.ext()
-    if ext is not None and hasattr(ext, "broadcast_coalesced_into") and _dense(tensors):
-        ext.broadcast_coalesced_into(tensors, [list(o) for o in outs])
+    outs = [list(o) for o in outs]
+    devices = [tensors[0].device] + [o[0].device for o in outs if o]
+    op = _coalesced_op("broadcast_coalesced_into", [tensors], devices)
+    if op is not None:
+        op(tensors, outs)
         return
     with torch.no_grad():
         for dests in outs:
@@ -72,17 +96,20 @@ def reduce_add_coalesced(
 ) -> list[torch.Tensor]:
     """Position-wise sums over devices: ``result[i] = sum(inputs[d][i] for d)`` on ``destination``.
 
-    ``destination=None`` means the device of ``inputs[0]``. Summation runs in device order.
+    ``destination=None`` means the device of ``inputs[0]``. Summation runs in list order,
+    ``inputs[0] + inputs[1] + ...`` (bit-identical between the extension and the torch path; between
+    distinct GPUs NCCL's order, within float tolerance).
     """
     inputs = [list(x) for x in inputs]
     first = inputs[0]
     dest = first[0].device if destination is None and first else as_device(destination)
     if destination is None and not first:
         return []
-    ext = _backend.ext()
-    if ext is not None and hasattr(ext, "reduce_add_coalesced") and all(map(_dense, inputs)):
-        return list(ext.reduce_add_coalesced(inputs, dest, buffer_size))
     devs = [x[0].device for x in inputs if x]
+    if dest in devs:
+        op = _coalesced_op("reduce_add_coalesced", inputs, devs, reduce=True)
+        if op is not None:
+            return list(op(inputs, dest, buffer_size))
     if len(devs) > 1 and all_distinct_cuda(devs) and dest.type == "cuda":
         return _tcomm.reduce_add_coalesced(inputs, dest.index, buffer_size)
     with torch.no_grad():

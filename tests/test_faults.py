@@ -65,7 +65,8 @@ def batch(n: int, rows: int = 2) -> torch.Tensor:
 
 
 def wait_threads(target: int, timeout: float = 5.0) -> int:
-    """The thread count once it has dropped to ``target`` (or after ``timeout``)."""
+    """The thread count once it has dropped to ``target`` (or after ``timeout``). Callers check
+    ``<=``: wrappers of earlier tests may finish releasing their workers meanwhile."""
     deadline = time.monotonic() + timeout
     while threading.active_count() > target and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -120,11 +121,11 @@ def test_exception_in_one_replica(n, bad):
         fdp(batch(n))
     assert time.monotonic() - start < 5.0
     assert sorted(k for k, _ in model.finished) == [k for k in range(n) if k != bad]
-    assert wait_threads(threads) == threads
+    assert wait_threads(threads) <= threads
     assert all(p.grad is None for p in model.parameters())
     model.raise_in, model.sleep_s = None, 0.0
     check_step_matches_plain(fdp, n)
-    assert wait_threads(threads) == threads
+    assert wait_threads(threads) <= threads
 
 
 def test_failed_step_leaves_no_reference_cycle():
@@ -147,7 +148,7 @@ def test_failed_step_leaves_no_reference_cycle():
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
-    assert wait_threads(baseline) == baseline
+    assert wait_threads(baseline) <= baseline
 
 
 @pytest.mark.parametrize("how", ["interrupt_main", "sigint"])
@@ -203,7 +204,7 @@ def test_keyboard_interrupt_mid_step(how):
         torch.testing.assert_close(p.grad, q.grad)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(model.bn, name), getattr(ref.bn, name), msg=name)
-    assert wait_threads(threads) == threads  # no thread left behind, none blocked
+    assert wait_threads(threads) <= threads  # no thread left behind, none blocked
 
 
 def test_deleting_wrapper_releases_threads_and_replicas():
@@ -226,7 +227,7 @@ def test_deleting_wrapper_releases_threads_and_replicas():
     gc.collect()
     assert all(r() is None for r in refs)
     assert all(r() is None for r in params)
-    assert wait_threads(baseline) == baseline
+    assert wait_threads(baseline) <= baseline
 
 
 @pytest.mark.parametrize("finish", ["backward", "no_backward", "no_grad"])
