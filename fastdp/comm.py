@@ -102,9 +102,9 @@ def reduce_add_coalesced(
     """
     inputs = [list(x) for x in inputs]
     first = inputs[0]
-    dest = first[0].device if destination is None and first else as_device(destination)
     if destination is None and not first:
         return []
+    dest = first[0].device if destination is None else as_device(destination)
     devs = [x[0].device for x in inputs if x]
     if dest in devs:
         op = _coalesced_op("reduce_add_coalesced", inputs, devs, reduce=True)
@@ -114,7 +114,7 @@ def reduce_add_coalesced(
         return _tcomm.reduce_add_coalesced(inputs, dest.index, buffer_size)
     with torch.no_grad():
         if all(g.device == dest for grads in inputs for g in grads):
-            out = torch._foreach_add(first, inputs[1]) if len(inputs) > 1 else \
+            out = list(torch._foreach_add(first, inputs[1])) if len(inputs) > 1 else \
                 [t.clone() for t in first]
             for grads in inputs[2:]:
                 torch._foreach_add_(out, grads)
