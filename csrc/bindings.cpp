@@ -8,6 +8,7 @@
 #include "gather.h"
 #include "planner.h"
 #include "scatter.h"
+#include "signature.h"
 #include "transfer.h"
 
 namespace py = pybind11;
@@ -29,6 +30,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("leaf_sizes"), py::arg("num_devices"), py::arg("chunk_sizes") = py::none(),
       "Chunk sizes per leaf (torch.chunk semantics, or the explicit chunk_sizes validated against "
       "every leaf). Raises ValueError when leaves split into different numbers of chunks.");
+
+  m.def(
+      "tensor_signature",
+      [](const std::vector<at::Tensor>& tensors) {
+        py::gil_scoped_release no_gil;
+        return fastdp::tensor_signature(tensors);
+      },
+      py::arg("tensors"),
+      "64-bit hash of the identity, storage, shape, strides, dtype, device and requires_grad of "
+      "each tensor (not values): persistent replicas are rebuilt when it changes.");
 
   // --- scatter / gather (issue 3) ---------------------------------------------------------------
   m.def(

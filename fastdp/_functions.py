@@ -1,0 +1,122 @@
+"""Autograd Functions of the data-parallel step, on CPU and CUDA devices.
+
+``Scatter`` and ``Gather`` are fused: one Function application covers every leaf of a step, so the
+Python work per step does not grow with the number of leaves' chunks. ``Broadcast`` and
+``ReduceAddCoalesced`` mirror torch's (each one's backward is the other) through ``fastdp.comm``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from itertools import chain
+
+from torch.autograd import Function
+
+from fastdp import comm
+
+_SCALAR_WARNING = (
+    "Was asked to gather along dimension 0, but all input tensors were scalars; "
+    "will instead unsqueeze and return a vector."
+)
+
+
+class Scatter(Function):
+    """``Scatter.apply(devices, plan, dims, *leaves)`` -> replica-major chunks.
+
+    Output ``r * len(leaves) + i`` is chunk ``r`` of leaf ``i`` on ``devices[r]``.
+    Backward gathers each leaf's chunk gradients back onto the leaf's device.
+    """
+
+    @staticmethod
+    def forward(ctx, devices, plan, dims, *leaves):
+        ctx.dims = dims
+        ctx.sources = [t.device for t in leaves]
+        ctx.n = len(leaves)
+        return tuple(chain.from_iterable(comm.scatter_leaves(leaves, devices, plan, dims)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.n
+        out = []
+        for i in range(n):
+            if not ctx.needs_input_grad[3 + i]:
+                out.append(None)
+                continue
+            parts = grads[i::n]
+            out.append(comm.gather(parts, ctx.dims[i], ctx.sources[i]))
+        return (None, None, None, *out)
+
+
+class Gather(Function):
+    """``Gather.apply(target, dim, n_replicas, *flat)`` with ``flat`` leaf-major.
+
+    ``flat[i * n_replicas + r]`` is replica ``r``'s tensor for output leaf ``i``; returns one
+    concatenated tensor per leaf on ``target``. All-0-dim leaves gathered along dim 0 become
+    vectors, with DataParallel's warning.
+    """
+
+    @staticmethod
+    def forward(ctx, target, dim, n_replicas, *flat):
+        n_leaves = len(flat) // n_replicas
+        ctx.dim, ctx.n_replicas = dim, n_replicas
+        ctx.devices, ctx.sizes, ctx.scalar = [], [], []
+        outs = []
+        for i in range(n_leaves):
+            parts = flat[i * n_replicas:(i + 1) * n_replicas]
+            scalar = dim == 0 and all(t.dim() == 0 for t in parts)
+            if scalar:
+                parts = tuple(t.view(1) for t in parts)
+                warnings.warn(_SCALAR_WARNING, stacklevel=2)
+            ctx.scalar.append(scalar)
+            ctx.devices.append([t.device for t in parts])
+            ctx.sizes.append([t.size(dim) for t in parts])
+            outs.append(comm.gather(parts, dim, target))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = []
+        for i, g in enumerate(grads):
+            chunks = comm.scatter_leaves([g], ctx.devices[i], [ctx.sizes[i]], [ctx.dim])
+            parts = [c[0] for c in chunks]
+            if ctx.scalar[i]:
+                parts = [p[0] for p in parts]
+            out.extend(parts)
+        return (None, None, None, *out)
+
+
+class Broadcast(Function):
+    """``Broadcast.apply(devices, *inputs)`` -> device-major copies (device 0's alias the inputs)."""
+
+    @staticmethod
+    def forward(ctx, devices, *inputs):
+        ctx.devices = devices
+        if not inputs:
+            return ()
+        ctx.num_inputs = len(inputs)
+        ctx.input_device = inputs[0].device
+        outputs = comm.broadcast_coalesced(inputs, devices)
+        non_diff = []
+        for idx, needs in enumerate(ctx.needs_input_grad[1:]):
+            if not needs:
+                non_diff.extend(out[idx] for out in outputs)
+        ctx.mark_non_differentiable(*non_diff)
+        return tuple(chain.from_iterable(outputs))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, *ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, *grad_outputs))
+
+
+class ReduceAddCoalesced(Function):
+    """``ReduceAddCoalesced.apply(destination, num_inputs, *grads)`` with ``grads`` device-major."""
+
+    @staticmethod
+    def forward(ctx, destination, num_inputs, *grads):
+        ctx.devices = [grads[i].device for i in range(0, len(grads), num_inputs)]
+        groups = [grads[i:i + num_inputs] for i in range(0, len(grads), num_inputs)]
+        return tuple(comm.reduce_add_coalesced(groups, destination))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, None, *Broadcast.apply(ctx.devices, *grad_outputs))

@@ -1,0 +1,65 @@
+"""``fastdp.info()``: what was built, what is active, which path each stage takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fastdp import _backend
+from fastdp._version import __version__
+
+_STAGES = {
+    "plan": "plan_chunks",
+    "scatter": "scatter_chunks",
+    "gather": "gather_into",
+    "broadcast": "broadcast_coalesced",
+    "reduce": "reduce_add_coalesced",
+}
+
+
+def _nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def info() -> dict[str, Any]:
+    """A dict describing this installation (see ``python -m fastdp.info``)."""
+    build = _backend.build_info()
+    ext = _backend.ext()
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    backend = {
+        stage: ("extension" if ext is not None and hasattr(ext, fn) else "torch")
+        for stage, fn in _STAGES.items()
+    }
+    return {
+        "version": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "extension_loaded": _backend.loaded(),
+        "extension_enabled": _backend.enabled(),
+        "extension_error": _backend.load_error(),
+        "built_with_cuda": build.get("built_with_cuda") == "1",
+        "build_cuda_version": build.get("cuda_version") or None,
+        "arch_list": build.get("arch_list") or None,
+        "nccl": build.get("nccl_version") or _nccl_version(),
+        "gpus": gpus,
+        "backend": backend,
+    }
+
+
+def format_info(d: dict[str, Any]) -> str:
+    lines = ["fastdp " + d["version"]]
+    for key, value in d.items():
+        if key in ("version", "backend"):
+            continue
+        lines.append(f"  {key:<18} {value}")
+    lines.append("  backend (per stage):")
+    for stage, path in d["backend"].items():
+        lines.append(f"    {stage:<16} {path}")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""Persistent replicas: built once per device tuple, refreshed every step, never stale.
+
+NOTE [ Persistent replicas ]
+DataParallel's ``replicate`` clones every submodule and ``setattr``s every parameter on every step.
+A ``ReplicaSet`` does that once; each replica's parameters and buffers are persistent tensors
+(replica 0's alias the originals' storage, as in DataParallel; the others are buffers of their
+own). A step then costs one ``Refresh`` autograd Function: its forward copies the originals into
+the other replicas' tensors (one ``_foreach_copy_`` or extension call per device) and *returns the
+persistent tensors themselves*, so autograd re-points their ``grad_fn`` at this step's node and the
+replica modules never need touching; its backward sums every replica's gradient (DataParallel's
+Broadcast backward: a coalesced reduce) into the originals, so gradient hooks on the originals see
+the total once, ``autograd.grad`` works, and unused parameters get zeros.
+
+Reusing tensors in place is only safe when no live graph still needs their old values. A step's
+graph is "pending" from its forward until ``Refresh.backward`` runs. If the next step starts while
+the previous one is pending (two forwards before one backward, or a forward whose output was
+never back-propagated), the set gets fresh replica tensors instead of overwriting (slower, correct).
+Rebuilds on structural change: see NOTE [ Replica invalidation ] in ``fastdp/_watch.py``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch.autograd import Function
+from torch.nn import Module
+from torch.nn.parameter import UninitializedParameter
+
+from fastdp import _backend, _watch, comm
+from fastdp._functions import ReduceAddCoalesced
+
+
+def tensor_signature(tensors: list[torch.Tensor]) -> Any:
+    """Identity/shape/dtype/device/requires_grad of ``tensors``, one C++ call when available."""
+    ext = _backend.ext()
+    if ext is not None and hasattr(ext, "tensor_signature"):
+        return ext.tensor_signature(tensors)
+    return tuple((id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+                 for t in tensors)
+
+
+class _Token:
+    """Whether a step's graph still awaits its backward (see NOTE [ Persistent replicas ])."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending = True
+
+
+class Refresh(Function):
+    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to ``sources``."""
+
+    @staticmethod
+    def forward(ctx, rs, *sources):
+        rs.copy_sources(sources)
+        ctx.n, ctx.devices, ctx.src = len(sources), rs.devices, rs.src_device
+        ctx.token = rs.token = _Token()
+        outs = [t for dev_tensors in rs.tensors for t in dev_tensors]
+        n = len(sources)
+        frozen = [outs[j * n + k] for k in range(n) if not ctx.needs_input_grad[1 + k]
+                  for j in range(len(rs.devices))]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.token.pending = False
+        if len(ctx.devices) == 1:
+            return (None, *grads)
+        return (None, *ReduceAddCoalesced.apply(ctx.src, ctx.n, *grads))
+
+
+class NotCacheable(Exception):
+    """The module cannot have persistent replicas (TorchScript modules); replicate afresh."""
+
+
+class ReplicaSet:
+    """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals)."""
+
+    def __init__(self, network: Module, devices: list[torch.device]) -> None:
+        from fastdp import replicate as _rep
+
+        if not _rep._replicatable_module(network):
+            raise RuntimeError(
+                "Cannot replicate network where python modules are children of ScriptModule")
+        self.devices = list(devices)
+        self.src_device = devices[0]
+        self.modules = list(network.modules())
+        if any(isinstance(m, torch.jit.ScriptModule) for m in self.modules):
+            raise NotCacheable("TorchScript modules are replicated afresh every step")
+        params = list(network.parameters())
+        if any(isinstance(p, UninitializedParameter) for p in params):
+            from fastdp.replicate import _LAZY_MESSAGE
+
+            raise ValueError(_LAZY_MESSAGE)
+        buffers = list(network.buffers())
+        self.sources = params + [b for b in buffers if b.requires_grad]
+        self.buffers = [b for b in buffers if not b.requires_grad]
+        self.watched = self.sources + self.buffers
+        self.token: _Token | None = None
+        self.tensors = self._new_tensors()
+        self.buffer_copies = [[b.detach().to(d, copy=True) for b in self.buffers]
+                              for d in self.devices[1:]]
+        self.replicas = self._build()
+        _watch.watch(self.modules)
+        self.generation = _watch.generation()  # after building: building bumps it
+        self.signature = tensor_signature(self.watched)
+        self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
+
+    def _new_tensors(self) -> list[list[torch.Tensor]]:
+        first = [s.detach() for s in self.sources]  # aliases: storage and version shared
+        rest = [[torch.empty_like(s, device=d) for s in self.sources] for d in self.devices[1:]]
+        return [first] + rest
+
+    def _build(self) -> list[Module]:
+        index = {m: i for i, m in enumerate(self.modules)}
+        src_index = {t: k for k, t in enumerate(self.sources)}
+        buf_index = {t: k for k, t in enumerate(self.buffers)}
+        self.slots: list[tuple[int, str, int]] = []
+        copies: list[list[Module]] = []
+        for _ in self.devices:
+            row = []
+            for m in self.modules:
+                r = m._replicate_for_data_parallel()
+                r._former_parameters = OrderedDict()
+                row.append(r)
+            copies.append(row)
+        for i, m in enumerate(self.modules):
+            for key, child in m._modules.items():
+                for row in copies:
+                    if child is None:
+                        row[i]._modules[key] = None
+                    else:
+                        setattr(row[i], key, row[index[child]])
+            for key, p in m._parameters.items():
+                if p is None:
+                    for row in copies:
+                        row[i]._parameters[key] = None
+                else:
+                    self.slots.append((i, key, src_index[p]))
+            for key, b in m._buffers.items():
+                for j, row in enumerate(copies):
+                    if b is None:
+                        row[i]._buffers[key] = None
+                    elif b in src_index:
+                        self.slots.append((i, key, src_index[b]))
+                    else:
+                        own = b if j == 0 else self.buffer_copies[j - 1][buf_index[b]]
+                        setattr(row[i], key, own)
+        self.copies = copies
+        self._assign()
+        return [row[0] for row in copies]
+
+    def _assign(self) -> None:
+        """Point every replica's parameter slots at ``self.tensors`` (build and fresh tensors)."""
+        for j, row in enumerate(self.copies):
+            tensors = self.tensors[j]
+            for i, key, k in self.slots:
+                r, t = row[i], tensors[k]
+                if key in r._buffers:
+                    r._buffers[key] = t
+                    continue
+                r._parameters.pop(key, None)
+                setattr(r, key, t)  # a plain attribute (RNN modules update their weight lists)
+                r._parameters[key] = t  # ...and visible to parameters()
+                r._former_parameters[key] = t
+
+    def valid(self) -> bool:
+        return (self.generation == _watch.generation()
+                and self.signature == tensor_signature(self.watched))
+
+    def copy_sources(self, sources: tuple[torch.Tensor, ...]) -> None:
+        """Copy the originals into replicas 1.. (called by Refresh.forward, under no_grad)."""
+        if len(self.devices) > 1:
+            comm.broadcast_into(list(sources), self.tensors[1:])
+
+    def refresh(self) -> list[Module]:
+        """This step's replicas: tensors refreshed from the originals, autograd linked."""
+        if self.token is not None and self.token.pending:
+            self.tensors = self._new_tensors()  # the last graph may still need the old values
+            self._assign()
+        self.token = None
+        if len(self.devices) > 1 and self.buffers:
+            with torch.no_grad():
+                comm.broadcast_into(self.buffers, self.buffer_copies)
+        if self.any_grad and torch.is_grad_enabled():
+            Refresh.apply(self, *self.sources)
+        else:
+            with torch.no_grad():
+                self.copy_sources(tuple(self.sources))
+        return self.replicas

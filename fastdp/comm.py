@@ -1,0 +1,163 @@
+"""Collective copies with ``torch.nn.parallel.comm``'s signatures, for CUDA *and* CPU devices.
+
+Every function decides here, per call, whether the C++/CUDA extension serves the case or the torch
+path does; the results are identical either way. Devices are ints (CUDA ids, -1 for the CPU),
+strings or ``torch.device``. Outputs carry no autograd history (use ``fastdp._functions`` for that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import comm as _tcomm
+
+from fastdp import _backend
+from fastdp._devices import all_distinct_cuda, as_device
+
+__all__ = ["broadcast_coalesced", "broadcast_into", "reduce_add_coalesced", "scatter", "gather",
+           "scatter_leaves"]
+
+_DEFAULT_BUFFER = 10485760
+
+
+def _dense(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(t.layout == torch.strided for t in tensors)
+
+
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], devices: Sequence[Any], buffer_size: int = _DEFAULT_BUFFER
+) -> list[list[torch.Tensor]]:
+    """Copies of ``tensors`` on each of ``devices``; ``devices[0]`` must hold them.
+
+    ``result[0]`` are the input tensors themselves; the others are new tensors with their own
+    storage and version counters, bit-identical in value.
+    """
+    devs = [as_device(d) for d in devices]
+    tensors = list(tensors)
+    ext = _backend.ext()
+    if ext is not None and hasattr(ext, "broadcast_coalesced") and _dense(tensors):
+        return [list(r) for r in ext.broadcast_coalesced(tensors, devs, buffer_size)]
+    if len(devs) > 1 and all_distinct_cuda(devs):
+        return _tcomm.broadcast_coalesced(tensors, [d.index for d in devs], buffer_size)
+    with torch.no_grad():
+        return [tensors] + [[t.to(d, copy=True) for t in tensors] for d in devs[1:]]
+
+
+def broadcast_into(
+    tensors: Sequence[torch.Tensor], outs: Sequence[Sequence[torch.Tensor]]
+) -> None:
+    """Copy ``tensors`` into each device's persistent ``outs[d]`` (same shapes and dtypes).
+
+    The persistent-replica refresh: one call per step for all tensors and devices; values are
+    bit-identical to the sources. Runs on the current streams; no autograd.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return
+    ext = _backend.ext()
+    if ext is not None and hasattr(ext, "broadcast_coalesced_into") and _dense(tensors):
+        ext.broadcast_coalesced_into(tensors, [list(o) for o in outs])
+        return
+    with torch.no_grad():
+        for dests in outs:
+            torch._foreach_copy_(list(dests), tensors, non_blocking=True)
+
+
+def reduce_add_coalesced(
+    inputs: Sequence[Sequence[torch.Tensor]],
+    destination: Any = None,
+    buffer_size: int = _DEFAULT_BUFFER,
+) -> list[torch.Tensor]:
+    """Position-wise sums over devices: ``result[i] = sum(inputs[d][i] for d)`` on ``destination``.
+
+    ``destination=None`` means the device of ``inputs[0]``. Summation runs in device order.
+    """
+    inputs = [list(x) for x in inputs]
+    first = inputs[0]
+    dest = first[0].device if destination is None and first else as_device(destination)
+    if destination is None and not first:
+        return []
+    ext = _backend.ext()
+    if ext is not None and hasattr(ext, "reduce_add_coalesced") and all(map(_dense, inputs)):
+        return list(ext.reduce_add_coalesced(inputs, dest, buffer_size))
+    devs = [x[0].device for x in inputs if x]
+    if len(devs) > 1 and all_distinct_cuda(devs) and dest.type == "cuda":
+        return _tcomm.reduce_add_coalesced(inputs, dest.index, buffer_size)
+    with torch.no_grad():
+        if all(g.device == dest for grads in inputs for g in grads):
+            out = torch._foreach_add(first, inputs[1]) if len(inputs) > 1 else \
+                [t.clone() for t in first]
+            for grads in inputs[2:]:
+                torch._foreach_add_(out, grads)
+            return out
+        out = [t.to(dest, copy=True) for t in first]
+        for grads in inputs[1:]:
+            torch._foreach_add_(out, [g.to(dest) for g in grads])
+    return out
+
+
+def scatter(
+    tensor: torch.Tensor,
+    devices: Sequence[Any],
+    chunk_sizes: Sequence[int] | None = None,
+    dim: int = 0,
+    streams: Any = None,
+) -> tuple[torch.Tensor, ...]:
+    """Split ``tensor`` along ``dim`` (``torch.chunk`` sizes unless ``chunk_sizes``) onto devices.
+
+    The chunk that stays on the tensor's own device is a view of it, as in torch.
+    """
+    devs = [as_device(d) for d in devices]
+    if chunk_sizes is None:
+        sizes = plan_chunks([tensor.size(dim)], len(devs))[0]
+    else:
+        sizes = plan_chunks([tensor.size(dim)], len(devs), list(chunk_sizes))[0]
+    return tuple(scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])[r][0]
+                 for r in range(len(sizes)))
+
+
+def scatter_leaves(
+    leaves: Sequence[torch.Tensor],
+    devices: Sequence[torch.device],
+    plan: Sequence[Sequence[int]],
+    dims: Sequence[int],
+) -> list[list[torch.Tensor]]:
+    """The fused scatter: ``result[r][i]`` is chunk ``r`` of ``leaves[i]`` on ``devices[r]``.
+
+    ``plan[i]`` are leaf i's chunk sizes along ``dims[i]`` (one per device). Chunks that stay on the
+    leaf's device are views; the others are copies (non-blocking from pinned memory).
+    """
+    ext = _backend.ext()
+    if ext is not None and hasattr(ext, "scatter_chunks") and _dense(leaves):
+        return [list(r) for r in ext.scatter_chunks(list(leaves), [list(p) for p in plan],
+                                                    list(dims), list(devices))]
+    out: list[list[torch.Tensor]] = [[] for _ in devices]
+    for leaf, sizes, dim in zip(leaves, plan, dims):
+        for r, chunk in enumerate(leaf.split(list(sizes), dim)):
+            dev = devices[r]
+            out[r].append(chunk if chunk.device == dev else chunk.to(dev, non_blocking=True))
+    return out
+
+
+def gather(
+    tensors: Sequence[torch.Tensor], dim: int = 0, destination: Any = None, *, out: Any = None
+) -> torch.Tensor:
+    """Concatenate ``tensors`` along ``dim`` on ``destination`` (None: the first tensor's device)."""
+    if out is not None:
+        return _tcomm.gather(tensors, dim, destination, out=out)
+    dest = tensors[0].device if destination is None else as_device(destination)
+    ext = _backend.ext()
+    if ext is not None and hasattr(ext, "gather_into") and _dense(tensors):
+        return ext.gather_into(list(tensors), dim, dest)
+    return torch.cat([t.to(dest, non_blocking=True) for t in tensors], dim)
+
+
+def plan_chunks(
+    leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Chunk sizes per leaf; see ``fastdp._planner.plan_chunks`` (C++ when the extension is on)."""
+    from fastdp import _planner
+
+    return _planner.plan_chunks(leaf_sizes, num_devices, chunk_sizes)

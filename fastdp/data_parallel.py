@@ -1,0 +1,246 @@
+"""``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU "virtual" replicas.
+
+See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.nn import DataParallel, Module
+from torch.nn.parameter import UninitializedParameter
+
+from fastdp import _watch
+from fastdp._devices import as_device, as_devices, public_id
+from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
+from fastdp._workers import WorkerPool
+from fastdp.parallel_apply import capture_state, parallel_apply, run_replica
+from fastdp.replicate import replicate
+from fastdp.scatter_gather import gather, scatter_kwargs
+
+__all__ = ["FastDataParallel", "data_parallel"]
+
+
+def _check_device(module: Module, src: torch.device) -> None:
+    for t in chain(module.parameters(), module.buffers()):
+        if t.device != src:
+            raise RuntimeError(
+                "module must have its parameters and buffers "
+                f"on device {src} (device_ids[0]) but found one of "
+                f"them on device: {t.device}"
+            )
+
+
+def _check_balance(device_ids: list[int]) -> None:
+    from torch.nn.parallel.data_parallel import _check_balance as torch_check_balance
+
+    torch_check_balance(sorted(set(device_ids)))
+
+
+class FastDataParallel(DataParallel):
+    """Data parallelism at the module level: ``nn.DataParallel``'s behaviour, faster.
+
+    Args:
+        module: the module to parallelize.
+        device_ids: CUDA devices (ints, ``torch.device``, ``'cuda:N'``; repeats allowed: replicas
+            then share a GPU) or CPU devices (``['cpu'] * n``: the whole multi-replica pipeline on
+            the CPU). Default: all CUDA devices; with none, ``forward`` just calls the module.
+        output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
+            for the CPU).
+        dim: the dimension inputs are chunked along and outputs concatenated along.
+    """
+
+    def __init__(
+        self,
+        module: Module,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
+        dim: int = 0,
+        *,
+        persistent: bool = True,
+    ) -> None:
+        Module.__init__(self)
+        torch._C._log_api_usage_once("fastdp.FastDataParallel")
+        self.module = module
+        self.dim = dim
+        self.persistent = persistent
+        self._replica_sets: dict[tuple[torch.device, ...], ReplicaSet] = {}
+        self._checked: tuple[int, Any] | None = None
+        self._step_lock = threading.Lock()
+        self._pool = WorkerPool()
+        weakref.finalize(self, self._pool.shutdown)
+        devs = self._resolve_devices(device_ids)
+        if devs is None:
+            self.device_ids = []
+            return
+        self._devices = devs
+        self.device_ids = [public_id(d) for d in devs]
+        out = devs[0] if output_device is None else as_device(output_device)
+        self._output = out
+        self.output_device = public_id(out) if out.type == "cuda" else (
+            -1 if devs[0].type == "cuda" else out)
+        self.src_device_obj = devs[0]
+        if devs[0].type == "cuda":
+            _check_balance(self.device_ids)
+        if len(devs) == 1:
+            self.module.to(self.src_device_obj)
+
+    @staticmethod
+    def _resolve_devices(device_ids: Any) -> list[torch.device] | None:
+        """The replica devices, or None for DataParallel's pass-through (no accelerator)."""
+        if device_ids is not None:
+            devs = as_devices(list(device_ids))
+            if not devs:
+                raise RuntimeError("no available devices were found")
+            if devs[0].type == "cpu":
+                return devs
+            if not torch.cuda.is_available():
+                warnings.warn(
+                    f"fastdp: device_ids={list(device_ids)} but CUDA is not available; the module "
+                    "runs directly, as nn.DataParallel does. Use device_ids=['cpu'] * n for CPU "
+                    "replicas.",
+                    stacklevel=3,
+                )
+                return None
+            return devs
+        if not torch.cuda.is_available():
+            return None
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("FastDataParallel.forward"):
+            if not self.device_ids:
+                return self.module(*inputs, **kwargs)
+            self._check_device_cached()
+            if len(self._devices) == 1 and self._devices[0].type == "cpu":
+                return self.module(*inputs, **kwargs)  # one CPU device: nothing to move
+            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+            if not inputs and not module_kwargs:
+                inputs, module_kwargs = ((),), ({},)
+            if len(self.device_ids) == 1:
+                return self.module(*inputs[0], **module_kwargs[0])
+            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+            return self.gather(outputs, self.output_device)
+
+    def _check_device_cached(self) -> None:
+        """DataParallel's per-step device check, re-run only when the module changed."""
+        gen = _watch.generation()
+        if self._checked is not None and self._checked[0] == gen:
+            tensors = self._checked[2]
+            if tensors is not None and tensor_signature(tensors) == self._checked[1]:
+                return
+        _check_device(self.module, self.src_device_obj)
+        if not self.persistent:
+            return
+        _watch.watch(self.module.modules())
+        tensors = list(chain(self.module.parameters(), self.module.buffers()))
+        if any(isinstance(t, UninitializedParameter) for t in tensors):
+            return  # lazy modules: replicate raises DataParallel's error
+        self._checked = (_watch.generation(), tensor_signature(tensors), tensors)
+
+    def invalidate_replicas(self) -> None:
+        """Drop the cached replicas: call after changing the module behind ``nn.Module``'s back
+        (e.g. ``module.__dict__[k] = v``); see NOTE [ Replica invalidation ]."""
+        self._replica_sets.clear()
+        self._checked = None
+
+    def replicate(self, module: Module, device_ids: Sequence[Any]) -> list[Module]:
+        devs = _devs(device_ids)
+        if not self.persistent or module is not self.module:
+            return replicate(module, devs, not torch.is_grad_enabled())
+        key = tuple(devs)
+        rs = self._replica_sets.get(key)
+        if rs is None or not rs.valid():
+            try:
+                rs = self._replica_sets[key] = ReplicaSet(module, devs)
+            except NotCacheable:
+                return replicate(module, devs, not torch.is_grad_enabled())
+        return rs.refresh()
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                device_ids: Sequence[Any]) -> Any:
+        return scatter_kwargs(inputs, kwargs, _devs(device_ids), dim=self.dim)
+
+    def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
+                       kwargs: Any) -> list[Any]:
+        devices = self._devices[: len(replicas)]
+        if not self.persistent or len(replicas) < 2:
+            return parallel_apply(replicas, inputs, kwargs, devices)
+        if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
+            self._pool.drain()
+            self.invalidate_replicas()
+        state = capture_state()
+        kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
+        fns = [_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
+               for i in range(len(replicas))]
+        results = self._pool.run(fns)
+        for out in results:
+            if isinstance(out, ExceptionWrapper):
+                out.reraise()
+        return results
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        return gather(outputs, _dev(output_device, self), dim=self.dim)
+
+
+class _Call:
+    """One replica's task for the worker pool (a callable holding no reference to the wrapper)."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __call__(self) -> Any:
+        out = run_replica(*self.args)
+        self.args = None
+        return out
+
+
+def _devs(ids: Sequence[Any]) -> list[torch.device]:
+    return [as_device(i) for i in ids]
+
+
+def _dev(output_device: Any, owner: FastDataParallel) -> torch.device:
+    if output_device is owner.output_device:
+        return owner._output
+    return as_device(output_device)
+
+
+def data_parallel(
+    module: Module,
+    inputs: Any,
+    device_ids: Sequence[int | str | torch.device] | None = None,
+    output_device: int | str | torch.device | None = None,
+    dim: int = 0,
+    module_kwargs: Any | None = None,
+) -> Any:
+    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel: the functional FastDataParallel."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    if device_ids is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device type could not be determined")
+        device_ids = list(range(torch.cuda.device_count()))
+    devs = as_devices(list(device_ids))
+    if not devs:
+        raise RuntimeError("no available devices were found")
+    out = devs[0] if output_device is None else as_device(output_device)
+    _check_device(module, devs[0])
+    inputs, kwargs = scatter_kwargs(inputs, module_kwargs, devs, dim)
+    if not inputs and not kwargs:
+        inputs, kwargs = ((),), ({},)
+    if len(devs) == 1:
+        return module(*inputs[0], **kwargs[0])
+    used = devs[: len(inputs)]
+    replicas = replicate(module, used)
+    outputs = parallel_apply(replicas, inputs, kwargs, used)
+    return gather(outputs, out, dim)

@@ -1,0 +1,116 @@
+"""Run each replica on its own thread, carrying the caller's thread-local state.
+
+Grad mode, inference mode and autocast (enabled flag *and* dtype, per device type; DataParallel
+carries only the CUDA flag) reach every replica; CUDA replicas run under their device and the
+caller's current stream of that device. A replica's exception is re-raised in the caller as its own
+type with ``Caught X in replica i on device d.`` and the original traceback.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.nn import Module
+
+from fastdp._devices import as_device
+
+__all__ = ["parallel_apply", "capture_state"]
+
+_AUTOCAST_TYPES = ("cpu", "cuda")
+
+
+def capture_state() -> dict[str, Any]:
+    """The caller's thread-local state that replicas must see."""
+    autocast = {}
+    for dt in _AUTOCAST_TYPES:
+        if dt == "cuda" and not torch.cuda.is_available():
+            continue
+        if torch.is_autocast_enabled(dt):
+            autocast[dt] = torch.get_autocast_dtype(dt)
+    return {
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+        "autocast": autocast,
+        "autocast_cache": torch.is_autocast_cache_enabled(),
+    }
+
+
+def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -> None:
+    """Enter ``state`` (from capture_state) and ``device`` on the current thread."""
+    if state["inference"]:
+        stack.enter_context(torch.inference_mode(True))
+    stack.enter_context(torch.set_grad_enabled(state["grad"]))
+    for dt in _AUTOCAST_TYPES:
+        if dt in state["autocast"]:
+            stack.enter_context(torch.autocast(dt, dtype=state["autocast"][dt],
+                                               cache_enabled=state["autocast_cache"]))
+        elif dt == "cuda" and device.type == "cuda":
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+    if device.type == "cuda":
+        stack.enter_context(torch.cuda.device(device.index))
+        stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(device)))
+
+
+def _public(device: torch.device) -> Any:
+    return device.index if device.type == "cuda" else device.type
+
+
+def run_replica(i: int, module: Module, inp: Any, kwargs: dict, device: torch.device,
+                state: dict[str, Any]) -> Any:
+    """Call one replica; returns its output or an ExceptionWrapper (never raises)."""
+    try:
+        with ExitStack() as stack:
+            enter_state(stack, state, device)
+            if not isinstance(inp, (list, tuple)):
+                inp = (inp,)
+            return module(*inp, **kwargs)
+    except Exception:
+        return ExceptionWrapper(where=f"in replica {i} on device {_public(device)}")
+
+
+def parallel_apply(
+    modules: Sequence[Module],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict[str, Any]] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> list[Any]:
+    """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel."""
+    if len(modules) != len(inputs):
+        raise AssertionError(
+            f"The number of modules {len(modules)} is not equal to the number of inputs "
+            f"{len(inputs)}"
+        )
+    if kwargs_tup is None:
+        kwargs_tup = ({},) * len(modules)
+    elif len(kwargs_tup) != len(modules):
+        raise AssertionError(
+            f"The number of modules {len(modules)} is not equal to the number of kwargs_tup "
+            f"{len(kwargs_tup)}"
+        )
+    if devices is None:
+        raise ValueError("fastdp.parallel_apply: devices are required")
+    devs = [as_device(d) for d in devices]
+    state = capture_state()
+    results: list[Any] = [None] * len(modules)
+
+    def work(i: int) -> None:
+        results[i] = run_replica(i, modules[i], inputs[i], kwargs_tup[i], devs[i], state)
+
+    if len(modules) > 1:
+        threads = [threading.Thread(target=work, args=(i,), daemon=True)
+                   for i in range(len(modules))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    elif modules:
+        work(0)
+    for out in results:
+        if isinstance(out, ExceptionWrapper):
+            out.reraise()
+    return results

@@ -1,0 +1,177 @@
+"""Scatter of nested inputs and gather of nested outputs, DataParallel's rules plus its fixes.
+
+Containers follow DataParallel: tensors are chunked along ``dim``; non-empty tuples, lists, dicts
+(and subclasses rebuilt with ``type(obj)``) and namedtuples are recursed into; anything else is
+passed by reference to every replica. Differences (DESIGN §2): all tensor leaves of positional
+*and* keyword inputs are planned together, so small batches with kwargs are right and leaves that
+split into different numbers of chunks raise ValueError; dataclass outputs are gathered field-wise
+and outputs that are not tensors or containers come back as a per-replica list.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastdp._functions import Gather, Scatter
+from fastdp._planner import plan_chunks
+
+__all__ = ["scatter", "scatter_kwargs", "gather"]
+
+# Spec nodes: ("t", i) tensor leaf i; ("nt", type, specs); ("tu", specs); ("li", specs);
+# ("di", type, keys, specs); ("ob", obj) passed by reference.
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _flatten(obj: Any, leaves: list) -> tuple:
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return ("t", len(leaves) - 1)
+    if _is_namedtuple(obj):
+        return ("nt", type(obj), [_flatten(x, leaves) for x in obj])
+    if isinstance(obj, tuple) and obj:
+        return ("tu", [_flatten(x, leaves) for x in obj])
+    if isinstance(obj, list) and obj:
+        return ("li", [_flatten(x, leaves) for x in obj])
+    if isinstance(obj, dict) and obj:
+        return ("di", type(obj), list(obj.keys()), [_flatten(v, leaves) for v in obj.values()])
+    return ("ob", obj)
+
+
+def _build(spec: tuple, chunks: Sequence[torch.Tensor]) -> Any:
+    kind = spec[0]
+    if kind == "t":
+        return chunks[spec[1]]
+    if kind == "nt":
+        return spec[1](*[_build(s, chunks) for s in spec[2]])
+    if kind == "tu":
+        return tuple(_build(s, chunks) for s in spec[1])
+    if kind == "li":
+        return [_build(s, chunks) for s in spec[1]]
+    if kind == "di":
+        return spec[1](zip(spec[2], [_build(s, chunks) for s in spec[3]]))
+    return spec[1]
+
+
+def scatter_plan(
+    obj: Any,
+    devices: Sequence[torch.device],
+    dim: int = 0,
+    chunk_sizes: Sequence[int] | None = None,
+) -> tuple[tuple, list[torch.Tensor], list[int], list[list[int]]]:
+    """Flatten ``obj`` once and plan its chunks: (spec, leaves, per-leaf dims, plan)."""
+    leaves: list[torch.Tensor] = []
+    spec = _flatten(obj, leaves)
+    dims = []
+    for t in leaves:
+        if t.dim() == 0:
+            raise RuntimeError("chunk expects at least a 1-dimensional tensor")
+        dims.append(dim % t.dim() if dim < 0 else dim)
+        if dims[-1] >= t.dim():
+            raise IndexError(
+                f"Dimension out of range (expected to be in range of [{-t.dim()}, {t.dim() - 1}], "
+                f"but got {dim})"
+            )
+    plan = plan_chunks([t.size(d) for t, d in zip(leaves, dims)], len(devices), chunk_sizes)
+    return spec, leaves, dims, plan
+
+
+def scatter_kwargs(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    target_devices: Sequence[torch.device],
+    dim: int = 0,
+    chunk_sizes: Sequence[int] | None = None,
+) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+    """Scatter positional and keyword inputs together; one replica per chunk.
+
+    Returns ``(inputs_per_replica, kwargs_per_replica)`` of equal length: the number of chunks of
+    the tensor leaves, or ``len(target_devices)`` when there are none (inputs passed by reference).
+    """
+    kwargs = kwargs or {}
+    spec, leaves, dims, plan = scatter_plan((tuple(inputs), kwargs), target_devices, dim,
+                                            chunk_sizes)
+    if not leaves:
+        n = len(target_devices) if (inputs or kwargs) else 0
+        return tuple(tuple(inputs) for _ in range(n)), tuple(dict(kwargs) for _ in range(n))
+    n = len(plan[0])
+    flat = Scatter.apply(list(target_devices[:n]), plan, dims, *leaves)
+    L = len(leaves)
+    outs = [_build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
+    return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
+
+
+def scatter(inputs: Any, target_devices: Sequence[torch.device], dim: int = 0) -> list[Any]:
+    """DataParallel's ``scatter``: one entry per chunk (tuple for a tensor input, else a list)."""
+    spec, leaves, dims, plan = scatter_plan(inputs, target_devices, dim)
+    if not leaves:
+        return [inputs for _ in target_devices]
+    n = len(plan[0])
+    flat = Scatter.apply(list(target_devices[:n]), plan, dims, *leaves)
+    L = len(leaves)
+    res = [_build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
+    return tuple(res) if isinstance(inputs, torch.Tensor) else res
+
+
+def _gspec(outs: Sequence[Any], groups: list) -> tuple:
+    out = outs[0]
+    if isinstance(out, torch.Tensor):
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise TypeError("fastdp: replicas returned a tensor in some replicas and not others")
+        groups.append(outs)
+        return ("t", len(groups) - 1)
+    if out is None:
+        return ("ob", None)
+    if isinstance(out, dict):
+        if not all(len(out) == len(d) for d in outs):
+            raise ValueError("All dicts must have the same number of keys")
+        return ("di", type(out), list(out), [_gspec([d[k] for d in outs], groups) for k in out])
+    if _is_namedtuple(out):
+        return ("nt", type(out), [_gspec(x, groups) for x in zip(*outs, strict=True)])
+    if isinstance(out, (tuple, list)):
+        return ("tu" if isinstance(out, tuple) else "li", type(out),
+                [_gspec(x, groups) for x in zip(*outs, strict=True)])
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        names = [f.name for f in dataclasses.fields(out)]
+        return ("dc", out, names, [_gspec([getattr(o, n) for o in outs], groups) for n in names])
+    return ("ob", list(outs))
+
+
+def _gbuild(spec: tuple, gathered: Sequence[torch.Tensor]) -> Any:
+    kind = spec[0]
+    if kind == "t":
+        return gathered[spec[1]]
+    if kind == "ob":
+        return spec[1]
+    if kind == "di":
+        return spec[1]((k, _gbuild(s, gathered)) for k, s in zip(spec[2], spec[3]))
+    if kind == "nt":
+        return spec[1]._make(_gbuild(s, gathered) for s in spec[2])
+    if kind in ("tu", "li"):
+        return spec[1](_gbuild(s, gathered) for s in spec[2])
+    new = copy.copy(spec[1])  # "dc": a dataclass, rebuilt field by field
+    for name, s in zip(spec[2], spec[3]):
+        object.__setattr__(new, name, _gbuild(s, gathered))
+    return new
+
+
+def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
+    """Gather per-replica outputs onto ``target_device`` (one fused Gather for all tensors)."""
+    from fastdp._devices import as_device
+
+    groups: list = []
+    spec = _gspec(list(outputs), groups)
+    if groups:
+        n = len(outputs)
+        flat = [t for g in groups for t in g]
+        gathered = Gather.apply(as_device(target_device), dim, n, *flat)
+    else:
+        gathered = ()
+    return _gbuild(spec, gathered)

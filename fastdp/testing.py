@@ -1,0 +1,68 @@
+"""Test helpers shared by the suite: device lists, CUDA decorators, backend parametrisation."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from fastdp import _backend
+
+HAS_CUDA = torch.cuda.is_available()
+NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
+# Where multi-replica tests run: CPU virtual replicas always, replicas sharing cuda:0 when present.
+DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+BACKENDS = ["ext", "torch"]
+
+onlyCUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+onlyMultiGPU = pytest.mark.skipif(NUM_GPUS < 2, reason="needs two distinct CUDA GPUs")
+withCUDA = pytest.mark.parametrize("kind", DEVICE_KINDS)
+
+
+def replica_ids(kind: str, n: int) -> list[Any]:
+    """``n`` replicas of one kind: ``['cpu'] * n`` or ``[0] * n`` (replicas sharing cuda:0)."""
+    return ["cpu"] * n if kind == "cpu" else [0] * n
+
+
+def device_of(kind: str) -> torch.device:
+    return torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
+
+
+def set_backend(name: str) -> bool:
+    """Select ``ext`` or ``torch``; returns the previous setting. Skips when ext is not built."""
+    if name == "ext" and not _backend.loaded():
+        pytest.skip(f"fastdp._C is not loaded: {_backend.load_error()}")
+    return _backend.set_enabled(name == "ext")
+
+
+def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
+
+
+def run_step(module: torch.nn.Module, inputs: Sequence[Any], loss: Callable[[Any], Any] | None = None
+             ) -> tuple[Any, list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
+    """Forward, backward of ``loss(out)`` (default: sum of the output); outputs, input grads, grads."""
+    module.zero_grad(set_to_none=True)
+    out = module(*inputs)
+    value = loss(out) if loss is not None else out.float().sum()
+    value.backward()
+    in_grads = [x.grad.clone() if isinstance(x, torch.Tensor) and x.grad is not None else None
+                for x in inputs]
+    return out, in_grads, grads_of(module.module if hasattr(module, "module") else module)
+
+
+def clone_inputs(inputs: Sequence[Any], device: torch.device | None = None) -> list[Any]:
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            y = x.detach().clone()
+            if device is not None:
+                y = y.to(device)
+            out.append(y.requires_grad_(x.requires_grad))
+        else:
+            out.append(copy.deepcopy(x))
+    return out

@@ -1,0 +1,48 @@
+"""Real architectures built from torch.nn, used across the suite (seeded, small)."""
+
+import torch
+from torch import nn
+
+
+class LSTMHead(nn.Module):
+    """LSTM over batch-first sequences; returns per-step outputs (batch on dim 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(out)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 5))
+
+
+def cnn_bn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
+def transformer():
+    return nn.TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=32, dropout=0.0,
+                                      batch_first=True)
+
+
+# name -> (factory, input factory for a batch of b, whether BatchNorm makes outputs chunk-dependent)
+ARCHS = {
+    "mlp": (mlp, lambda b: torch.randn(b, 12), False),
+    "cnn_bn": (cnn_bn, lambda b: torch.randn(b, 3, 10, 10), True),
+    "lstm": (LSTMHead, lambda b: torch.randn(b, 5, 6), False),
+    "transformer": (transformer, lambda b: torch.randn(b, 7, 16), False),
+}
+
+
+def build(name, seed=0):
+    torch.manual_seed(seed)
+    factory, make_input, has_bn = ARCHS[name]
+    return factory(), make_input, has_bn

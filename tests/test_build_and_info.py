@@ -1,0 +1,76 @@
+"""The build: what was compiled, backend loading, ``fastdp.info()`` and ``python -m fastdp.info``."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastdp
+from fastdp import _backend
+
+
+def test_info_has_the_documented_keys():
+    d = fastdp.info()
+    for key in ("version", "torch", "cuda", "built_with_cuda", "arch_list", "nccl", "gpus",
+                "backend"):
+        assert key in d
+    assert d["version"] == fastdp.__version__ and d["torch"] == torch.__version__
+    assert set(d["backend"]) >= {"plan", "scatter", "gather", "broadcast", "reduce"}
+
+
+def test_extension_is_built_and_loaded():
+    if os.environ.get("FASTDP_DISABLE_EXT") == "1":
+        pytest.skip("FASTDP_DISABLE_EXT=1")
+    assert _backend.loaded(), _backend.load_error()
+    assert fastdp.info()["backend"]["plan"] == "extension"
+
+
+def test_expected_build_flavour():
+    """CI sets FASTDP_EXPECT_CUDA_BUILD=1 for the CUDA-torch build (no GPU) and 0 for the CPU one."""
+    expect = os.environ.get("FASTDP_EXPECT_CUDA_BUILD")
+    if expect is None:
+        pytest.skip("FASTDP_EXPECT_CUDA_BUILD not set")
+    d = fastdp.info()
+    assert d["built_with_cuda"] is (expect == "1")
+    if expect == "1":
+        assert d["arch_list"] and d["build_cuda_version"]
+
+
+def test_disable_ext_env_forces_the_torch_path():
+    code = "import fastdp, json; print(json.dumps(fastdp.info()['backend']))"
+    env = dict(os.environ, FASTDP_DISABLE_EXT="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert '"plan": "torch"' in out
+
+
+def test_python_m_fastdp_info_prints_readably():
+    out = subprocess.run([sys.executable, "-m", "fastdp.info"], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.startswith("fastdp ") and "built_with_cuda" in out.stdout
+    assert "RuntimeWarning" not in out.stderr
+
+
+def test_broken_build_warns_once_and_falls_back(tmp_path):
+    """A _C that fails to import: one warning with the real error, then the torch path works."""
+    pkg = tmp_path / "fastdp"
+    pkg.mkdir()
+    src = os.path.dirname(fastdp.__file__)
+    for name in os.listdir(src):
+        if name.endswith(".py"):
+            (pkg / name).write_text(open(os.path.join(src, name)).read())
+    (pkg / "_C.py").write_text("raise ImportError('simulated broken build')\n")
+    code = ("import warnings, torch, fastdp\n"
+            "from fastdp import FastDataParallel\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    m = FastDataParallel(torch.nn.Linear(2, 2), device_ids=['cpu'] * 2)\n"
+            "    m(torch.ones(4, 2)); m(torch.ones(4, 2))\n"
+            "msgs = [str(x.message) for x in w if 'could not be loaded' in str(x.message)]\n"
+            "print(len(msgs), msgs[0])\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=tmp_path).stdout
+    assert out.startswith("1 ") and "simulated broken build" in out

@@ -1,0 +1,82 @@
+"""Errors: replica exceptions keep their type and say where; DataParallel's texts kept verbatim."""
+
+import pytest
+import torch
+from torch import nn
+
+from fastdp import FastDataParallel
+
+
+class FailIn(nn.Module):
+    def __init__(self, exc, when_rows):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.exc, self.when_rows = exc, when_rows
+
+    def forward(self, x):
+        if x.shape[0] == self.when_rows:
+            raise self.exc
+        return self.lin(x)
+
+
+def test_replica_exception_keeps_type_and_names_replica_and_device(backend):
+    fdp = FastDataParallel(FailIn(KeyError("missing"), 2), device_ids=["cpu"] * 2)
+    with pytest.raises(KeyError) as info:
+        fdp(torch.ones(5, 2))  # chunks of 3 and 2: replica 1 raises
+    text = str(info.value)
+    assert "Caught KeyError in replica 1 on device cpu." in text
+    assert "Original Traceback" in text and "raise self.exc" in text
+
+
+def test_replica_exception_of_custom_type(backend):
+    class MyError(RuntimeError):
+        pass
+
+    fdp = FastDataParallel(FailIn(MyError("boom"), 3), device_ids=["cpu"] * 2)
+    with pytest.raises(MyError, match="Caught MyError in replica 0 on device cpu"):
+        fdp(torch.ones(5, 2))
+    assert fdp(torch.ones(4, 2)).shape == (4, 2)  # the next step works
+
+
+def test_module_on_wrong_device_keeps_dataparallels_message(backend):
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    fdp = FastDataParallel(m, device_ids=["cpu"] * 2)
+    with pytest.raises(RuntimeError, match=r"^module must have its parameters and buffers on device "
+                       r"cpu \(device_ids\[0\]\) but found one of them on device: meta$"):
+        fdp(torch.ones(4, 2))
+
+
+def test_scripted_modules_are_replicated(backend):
+    torch.manual_seed(0)
+    m = torch.jit.script(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
+    x = torch.randn(6, 3)
+    out = FastDataParallel(m, device_ids=["cpu"] * 3)(x)
+    torch.testing.assert_close(out, m(x))
+    out.sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_unreplicatable_script_modules_keep_dataparallels_message(backend, monkeypatch):
+    """Modern torch.jit scripts python children recursively, so the case can't be built by hand;
+    the check itself is torch's (_replicatable_module), the message must stay verbatim."""
+    import fastdp.replicate as rep
+
+    monkeypatch.setattr(rep, "_replicatable_module", lambda module: False)
+    fdp = FastDataParallel(nn.Linear(2, 2), device_ids=["cpu"] * 2)
+    with pytest.raises(RuntimeError, match="^Cannot replicate network where python modules are "
+                       "children of ScriptModule$"):
+        fdp(torch.ones(4, 2))
+
+
+def test_lazy_modules_must_be_initialised_first(backend):
+    fdp = FastDataParallel(nn.Sequential(nn.LazyLinear(3)), device_ids=["cpu"] * 2)
+    # nn.DataParallel raises ValueError("Attempted to use an uninitialized parameter ...");
+    # fastdp keeps that type and text and adds lazy.py's explanation.
+    with pytest.raises(ValueError, match="Attempted to use an uninitialized parameter.*Modules with "
+                       "uninitialized parameters can't be used with `DataParallel`. Run a dummy"):
+        fdp(torch.ones(4, 5))
+
+
+def test_mixed_cpu_and_cuda_ids_are_rejected():
+    with pytest.raises(ValueError, match="mixes CPU and CUDA"):
+        FastDataParallel(nn.Linear(2, 2), device_ids=["cpu", 0])
