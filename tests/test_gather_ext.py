@@ -114,7 +114,8 @@ def test_gather_cpu_matches_cat(layout, dtype, dim, n):
 
 @pytest.mark.parametrize("dim", [0, 1, 2, 3, -1])
 def test_gather_cpu_preserves_channels_last(dim):
-    ts = [_cl(make(_shape((2, 3, 4, 5), dim, k + 1), torch.float32, k)) for k in range(3)]
+    # k + 2: a size-1 dim makes channels_last ambiguous and torch.cat then picks contiguous
+    ts = [_cl(make(_shape((2, 3, 4, 5), dim, k + 2), torch.float32, k)) for k in range(3)]
     out = run_case(ts, dim, "cpu")
     assert out.is_contiguous(memory_format=torch.channels_last)
 
@@ -205,7 +206,7 @@ def test_gather_host_sources_to_cuda(pinned):
 @onlyCUDA
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_gather_cuda_preserves_channels_last(dim):
-    ts = [_cl(make(_shape((2, 3, 4, 5), dim, k + 1), torch.float16, k)).cuda() for k in range(4)]
+    ts = [_cl(make(_shape((2, 3, 4, 5), dim, k + 2), torch.float16, k)).cuda() for k in range(4)]
     assert run_case(ts, dim, "cuda:0").is_contiguous(memory_format=torch.channels_last)
 
 
@@ -236,3 +237,22 @@ def test_gather_distinct_gpus(destination, dim):
         ts = [make(_shape((3, 4, 5), dim, k + 1), dtype, k).to(f"cuda:{k}") for k in range(n)]
         run_case(ts, dim, destination)
         run_case([t.transpose(0, -1).contiguous().transpose(0, -1) for t in ts], dim, destination)
+
+
+# ---------------------------------------------------------------- fastdp.comm dispatch
+
+
+def test_comm_gather_extension_and_torch_paths_agree(backend):
+    from fastdp import comm
+
+    ts = [_cl(make((k + 2, 3, 4, 5), torch.float32, k)) for k in range(3)]
+    assert_same(comm.gather(ts, 0, "cpu"), torch.cat(ts, 0))
+    assert_same(comm.gather([t.t() for t in [make((3, 2), torch.bool, 0)] * 2], 1, -1),
+                torch.cat([make((3, 2), torch.bool, 0).t()] * 2, 1))
+
+
+def test_comm_gather_mixed_dtypes_take_the_torch_path(backend):
+    from fastdp import comm
+
+    ts = [torch.ones(2), torch.ones(2, dtype=torch.float64)]
+    assert_same(comm.gather(ts, 0, "cpu"), torch.cat(ts))

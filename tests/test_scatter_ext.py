@@ -151,7 +151,10 @@ def test_scatter_cpu_explicit_chunk_sizes_with_zero():
 def test_scatter_cpu_results_carry_no_autograd_history():
     leaf = make((4, 3), torch.float32).requires_grad_()
     got = _C.scatter_chunks([leaf], [[2, 2]], 0, [torch.device("cpu")] * 2)
-    assert all(not t.requires_grad and t.grad_fn is None for row in got for t in row)
+    assert all(t.grad_fn is None for row in got for t in row)
+    with torch.no_grad():  # views of a leaf report its requires_grad, as torch's own do
+        want = leaf.split([2, 2])
+    assert [row[0].requires_grad for row in got] == [t.requires_grad for t in want]
 
 
 def test_scatter_rejects_plan_not_summing_to_size():
@@ -291,3 +294,27 @@ def test_scatter_distinct_gpus(source, dim):
         make((16, 12), dt, source) for dt in (torch.float32, torch.bfloat16, torch.bool)
     ] + [make((16, 3, 4, 5), torch.float16, source).contiguous(memory_format=torch.channels_last)]
     run_case(leaves, len(devices), dim, devices)
+
+
+# ---------------------------------------------------------------- fastdp.comm dispatch
+
+
+def test_comm_scatter_leaves_extension_and_torch_paths_agree(backend):
+    from fastdp import comm
+
+    cpu = [torch.device("cpu")] * 4
+    leaves = [make((3, 5), torch.float32), make((3, 2, 2), torch.int64).transpose(1, 2)]
+    plan = plan_for(leaves, 4, 0)  # 3 rows on 4 devices: 3 replicas
+    got = comm.scatter_leaves(leaves, cpu, plan, [0, 0])
+    assert len(got) == 4 and got[3] == []  # one list per device, as the torch path gives
+    assert_same(got[:3], reference(leaves, plan, 0, cpu))
+
+
+def test_comm_scatter_per_leaf_dims(backend):
+    from fastdp import comm
+
+    cpu = [torch.device("cpu")] * 2
+    leaves = [make((4, 6), torch.float32), make((6, 4), torch.float16)]
+    got = comm.scatter_leaves(leaves, cpu, [[2, 2], [2, 2]], [0, 1])
+    want = [[leaves[0].split(2, 0)[r], leaves[1].split(2, 1)[r]] for r in range(2)]
+    assert_same(got, want)
