@@ -12,9 +12,10 @@ namespace fastdp {
 // one dim per leaf, or one for all; negative ones are normalised per leaf), equal to
 // leaves[i].split(plan[i], dims[i])[r].to(devices[r]) in values, sizes, strides and dtype.
 // A chunk whose device is its leaf's device is a view of the leaf (as torch); the others are views
-// into one fresh buffer per destination device (regions kRegionAlign-aligned, shared storage).
-// CUDA results are ordered on each destination's current stream (no host sync); plan rows must all
-// have R <= devices.size() entries; the result has R lists. Results carry no autograd history.
+// into one fresh buffer per destination and source device (regions kRegionAlign-aligned, shared
+// storage). CUDA leaves must be ready on their device's current stream; CUDA results are ready on
+// each destination's current stream (no host sync). Every plan row has the same R <=
+// devices.size() entries; the result has R lists. Results carry no autograd history.
 std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor>& leaves,
                                                     const std::vector<std::vector<int64_t>>& plan,
                                                     const std::vector<int64_t>& dims,

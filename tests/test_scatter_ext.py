@@ -184,6 +184,15 @@ def test_scatter_cuda_device_without_cuda_build_raises():
         _C.scatter_chunks([torch.zeros(2)], [[1, 1]], 0, [torch.device("cuda", 0)] * 2)
 
 
+@pytest.mark.skipif(
+    dict(_C.build_info()).get("built_with_cuda") != "1" or torch.cuda.device_count() > 0,
+    reason="checks a CUDA build on a machine without a GPU",
+)
+def test_scatter_cuda_build_without_gpu_raises_clearly():
+    with pytest.raises(RuntimeError, match="scatter_chunks: expected CUDA device indices below 0"):
+        _C.scatter_chunks([torch.zeros(2)], [[1, 1]], 0, [torch.device("cuda", 0)] * 2)
+
+
 # ---------------------------------------------------------------- CUDA
 
 

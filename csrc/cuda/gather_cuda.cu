@@ -1,6 +1,7 @@
 #include "cuda/gather_cuda.h"
 
-#include <c10/cuda/CUDAEvent.h>
+#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -113,6 +114,9 @@ at::Tensor gather_cuda(const std::vector<at::Tensor>& tensors, int64_t dim,
   if (destination.is_cuda() && !destination.has_index()) {
     destination = at::Device(at::kCUDA, c10::cuda::current_device());
   }
+  TORCH_CHECK(!destination.is_cuda() || destination.index() < c10::cuda::device_count(),
+              "fastdp.gather_into: expected a CUDA device index below ",
+              static_cast<int>(c10::cuda::device_count()), ", got ", destination);
   at::Tensor out = empty_cat_output(tensors, dim, destination, "fastdp.gather_into");
   const std::vector<at::Tensor> slices = cat_slices(out, tensors, dim);
   if (destination.is_cuda()) {

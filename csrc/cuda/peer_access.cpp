@@ -1,6 +1,7 @@
 #include "cuda/peer_access.h"
 
-#include <c10/cuda/CUDAEvent.h>
+#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,7 +1,8 @@
 #include "cuda/scatter_cuda.h"
 
+#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+
 #include <ATen/Parallel.h>
-#include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -212,6 +213,9 @@ std::vector<std::vector<at::Tensor>> scatter_cuda(const std::vector<at::Tensor>&
   std::vector<at::Device> devs = devices;
   for (at::Device& d : devs) {
     if (d.is_cuda() && !d.has_index()) d = at::Device(at::kCUDA, c10::cuda::current_device());
+    TORCH_CHECK(!d.is_cuda() || d.index() < c10::cuda::device_count(),
+                "fastdp.scatter_chunks: expected CUDA device indices below ",
+                static_cast<int>(c10::cuda::device_count()), ", got ", d);
   }
   std::vector<std::vector<at::Tensor>> result(devs.size(), std::vector<at::Tensor>(leaves.size()));
   std::vector<Copy> copies;
