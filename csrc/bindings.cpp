@@ -7,6 +7,7 @@
 #include "build_info.h"
 #include "gather.h"
 #include "planner.h"
+#include "refresh.h"
 #include "scatter.h"
 #include "signature.h"
 #include "transfer.h"
@@ -40,6 +41,34 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"),
       "64-bit hash of the identity, storage, shape, strides, dtype, device and requires_grad of "
       "each tensor (not values): persistent replicas are rebuilt when it changes.");
+
+  m.def("grad_fn_use_count", &fastdp::grad_fn_use_count, py::arg("tensor"),
+        "Number of owners of tensor.grad_fn's node (0 without one); see NOTE [ Persistent "
+        "replicas ].");
+
+  py::class_<fastdp::RefreshState, std::shared_ptr<fastdp::RefreshState>>(
+      m, "RefreshState",
+      "Persistent replica tensors of one replica set; see NOTE [ Persistent replicas ].")
+      .def(py::init<>())
+      .def_readwrite("tensors", &fastdp::RefreshState::tensors,
+                     "tensors[j][k]: source k on replica j (replica 0 aliases the sources)")
+      .def(
+          "copy",
+          [](fastdp::RefreshState& st, const std::vector<at::Tensor>& sources) {
+            py::gil_scoped_release no_gil;
+            fastdp::refresh_copy(st, sources);
+          },
+          "Copy sources into replicas 1.. (no autograd).")
+      .def(
+          "refresh",
+          [](const std::shared_ptr<fastdp::RefreshState>& st,
+             const std::vector<at::Tensor>& sources) {
+            py::gil_scoped_release no_gil;
+            fastdp::refresh_autograd(st, sources);
+          },
+          "Copy and link every replica tensor to the sources through one autograd node.")
+      .def("graph_alive", &fastdp::refresh_graph_alive,
+           "Whether the last step's graph may still need the current replica tensors.");
 
   // --- scatter / gather (issue 3) ---------------------------------------------------------------
   m.def(

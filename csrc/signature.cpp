@@ -1,5 +1,7 @@
 #include "signature.h"
 
+#include <torch/csrc/autograd/function.h>  // complete Node type for the use count
+
 namespace fastdp {
 namespace {
 
@@ -32,6 +34,11 @@ uint64_t tensor_signature(const std::vector<at::Tensor>& tensors) {
     mix(h, t.requires_grad() ? 1 : 2);
   }
   return h;
+}
+
+int64_t grad_fn_use_count(const at::Tensor& t) {
+  const auto& fn = t.grad_fn();
+  return fn ? static_cast<int64_t>(fn.use_count()) : 0;
 }
 
 }  // namespace fastdp

@@ -4,6 +4,19 @@ import torch  # noqa: F401  (before the extension)
 
 from fastdp._info import info
 from fastdp._version import __version__
+from fastdp.checkpoint import unwrap
+from fastdp.criterion import ParallelCriterion, Scattered
 from fastdp.data_parallel import FastDataParallel, data_parallel
+from fastdp.launch import shard_batch, wrap
 
-__all__ = ["FastDataParallel", "data_parallel", "info", "__version__"]
+__all__ = [
+    "FastDataParallel",
+    "data_parallel",
+    "info",
+    "__version__",
+    "Scattered",
+    "ParallelCriterion",
+    "unwrap",
+    "wrap",
+    "shard_batch",
+]

@@ -1,7 +1,8 @@
 """Device normalisation shared by the wrapper, replicate and parallel_apply.
 
-Internally every device is a ``torch.device`` with an explicit index for CUDA; the public attributes
-of FastDataParallel keep DataParallel's form (ints for CUDA ids) so user code reading them still works.
+Internally every device is a ``torch.device`` with an explicit index for CUDA; the public
+attributes of FastDataParallel keep DataParallel's form (ints for CUDA ids) so user code reading
+them still works.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 
 def as_device(x: Any) -> torch.device:
-    """``0``, ``'cuda:0'``, ``torch.device('cuda', 0)``, ``'cuda'`` (current), ``'cpu'``, ``-1`` (CPU)."""
+    """``0``, ``'cuda:0'``, ``torch.device('cuda', 0)``, ``'cuda'`` (current), ``'cpu'``, ``-1``."""
     if isinstance(x, torch.device):
         dev = x
     elif isinstance(x, int):
@@ -25,7 +26,8 @@ def as_device(x: Any) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"fastdp: device type {dev.type!r} is not supported (use CUDA ids or 'cpu')")
+        raise ValueError(
+            f"fastdp: device type {dev.type!r} is not supported (use CUDA ids or 'cpu')")
     return dev
 
 
@@ -46,4 +48,5 @@ def public_id(dev: torch.device) -> int | torch.device:
 
 
 def all_distinct_cuda(devices: Sequence[torch.device]) -> bool:
-    return all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(devices)
+    return (all(d.type == "cuda" for d in devices)
+            and len({d.index for d in devices}) == len(devices))

@@ -86,7 +86,7 @@ class Gather(Function):
 
 
 class Broadcast(Function):
-    """``Broadcast.apply(devices, *inputs)`` -> device-major copies (device 0's alias the inputs)."""
+    """``Broadcast.apply(devices, *inputs)`` -> device-major copies (device 0's alias inputs)."""
 
     @staticmethod
     def forward(ctx, devices, *inputs):

@@ -12,9 +12,12 @@ Broadcast backward: a coalesced reduce) into the originals, so gradient hooks on
 the total once, ``autograd.grad`` works, and unused parameters get zeros.
 
 Reusing tensors in place is only safe when no live graph still needs their old values. A step's
-graph is "pending" from its forward until ``Refresh.backward`` runs. If the next step starts while
-the previous one is pending (two forwards before one backward, or a forward whose output was
-never back-propagated), the set gets fresh replica tensors instead of overwriting (slower, correct).
+graph is "pending" from its forward until ``Refresh.backward`` runs. A pending graph is harmless
+once nothing points at the Refresh node any more (its outputs were dropped): the extension reads
+the node's owner count (``grad_fn_use_count``) right after ``apply`` and again at the next step;
+equal counts mean no later node of any graph holds an edge to it. Otherwise (two forwards before
+one backward, a live forward that was never back-propagated, or no extension to ask) the set gets
+fresh replica tensors instead of overwriting them: slower, and correct.
 Rebuilds on structural change: see NOTE [ Replica invalidation ] in ``fastdp/_watch.py``.
 """
 
@@ -51,7 +54,7 @@ class _Token:
 
 
 class Refresh(Function):
-    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to ``sources``."""
+    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to sources."""
 
     @staticmethod
     def forward(ctx, rs, *sources):
@@ -78,6 +81,17 @@ class NotCacheable(Exception):
     """The module cannot have persistent replicas (TorchScript modules); replicate afresh."""
 
 
+def _apply_refresh(rs: "ReplicaSet", sources: list[torch.Tensor]) -> Any:
+    """``Refresh.apply`` minus ``Function.apply``'s per-argument Python pass (which only unwraps
+    dead functorch wrappers, so it is kept whenever a functorch transform is active)."""
+    if torch._C._are_functorch_transforms_active():
+        return Refresh.apply(rs, *sources)
+    return _FUNCTION_BASE_APPLY.__get__(None, Refresh)(rs, *sources)
+
+
+_FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
 class ReplicaSet:
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals)."""
 
@@ -101,19 +115,28 @@ class ReplicaSet:
         self.sources = params + [b for b in buffers if b.requires_grad]
         self.buffers = [b for b in buffers if not b.requires_grad]
         self.watched = self.sources + self.buffers
+        self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
+        self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
         self.token: _Token | None = None
+        ext = _backend.ext()
+        self.ext = ext if ext is not None and hasattr(ext, "RefreshState") else None
+        self.state = self.ext.RefreshState() if self.ext is not None else None
+        self.buffer_state = self.ext.RefreshState() if self.ext is not None else None
         self.tensors = self._new_tensors()
         self.buffer_copies = [[b.detach().to(d, copy=True) for b in self.buffers]
                               for d in self.devices[1:]]
+        if self.buffer_state is not None:
+            self.buffer_state.tensors = [list(self.buffers)] + self.buffer_copies
         self.replicas = self._build()
         _watch.watch(self.modules)
         self.generation = _watch.generation()  # after building: building bumps it
         self.signature = tensor_signature(self.watched)
-        self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
 
     def _new_tensors(self) -> list[list[torch.Tensor]]:
         first = [s.detach() for s in self.sources]  # aliases: storage and version shared
         rest = [[torch.empty_like(s, device=d) for s in self.sources] for d in self.devices[1:]]
+        if self.state is not None:
+            self.state.tensors = [first] + rest
         return [first] + rest
 
     def _build(self) -> list[Module]:
@@ -153,10 +176,21 @@ class ReplicaSet:
                         setattr(row[i], key, own)
         self.copies = copies
         self._assign()
+        slot_keys: dict[int, set] = {}
+        for i, key, _ in self.slots:
+            slot_keys.setdefault(i, set()).add(key)
+        for row in copies:
+            for i, r in enumerate(row):
+                _watch.track_replica(r, frozenset(slot_keys.get(i, ())))
         return [row[0] for row in copies]
 
     def _assign(self) -> None:
-        """Point every replica's parameter slots at ``self.tensors`` (build and fresh tensors)."""
+        """Point every replica's parameter slots at ``self.tensors`` (build and fresh tensors).
+
+        As DataParallel's ``setattr``: a plain attribute (replicas' parameters are not leaves), plus
+        an entry in ``_parameters`` so ``parameters()`` sees it; written straight into the dicts
+        (no per-slot Python call), RNN weight lists rebuilt afterwards.
+        """
         for j, row in enumerate(self.copies):
             tensors = self.tensors[j]
             for i, key, k in self.slots:
@@ -164,31 +198,52 @@ class ReplicaSet:
                 if key in r._buffers:
                     r._buffers[key] = t
                     continue
-                r._parameters.pop(key, None)
-                setattr(r, key, t)  # a plain attribute (RNN modules update their weight lists)
-                r._parameters[key] = t  # ...and visible to parameters()
+                r.__dict__[key] = t
+                r._parameters[key] = t
                 r._former_parameters[key] = t
+            for i in self.rnn_rows:
+                r = row[i]
+                r._flat_weights = [r.__dict__.get(n) for n in r._flat_weights_names]
 
     def valid(self) -> bool:
+        ext = _backend.ext()
+        if (ext if ext is not None and hasattr(ext, "RefreshState") else None) is not self.ext:
+            return False  # the backend was switched: rebuild for the other path
         return (self.generation == _watch.generation()
                 and self.signature == tensor_signature(self.watched))
 
     def copy_sources(self, sources: tuple[torch.Tensor, ...]) -> None:
         """Copy the originals into replicas 1.. (called by Refresh.forward, under no_grad)."""
-        if len(self.devices) > 1:
+        if self.state is not None:
+            self.state.copy(list(sources))
+        elif len(self.devices) > 1:
             comm.broadcast_into(list(sources), self.tensors[1:])
+
+    def _graph_alive(self) -> bool:
+        """Whether the last step's graph may still need the current tensors' values."""
+        if self.state is not None:
+            return self.state.graph_alive()
+        return self.token is not None and self.token.pending  # no extension: be conservative
 
     def refresh(self) -> list[Module]:
         """This step's replicas: tensors refreshed from the originals, autograd linked."""
-        if self.token is not None and self.token.pending:
+        if self._graph_alive():
             self.tensors = self._new_tensors()  # the last graph may still need the old values
             self._assign()
         self.token = None
+        if _watch.has_dirty():
+            _watch.restore_dirty()
         if len(self.devices) > 1 and self.buffers:
-            with torch.no_grad():
-                comm.broadcast_into(self.buffers, self.buffer_copies)
+            if self.buffer_state is not None:
+                self.buffer_state.copy(self.buffers)
+            else:
+                with torch.no_grad():
+                    comm.broadcast_into(self.buffers, self.buffer_copies)
         if self.any_grad and torch.is_grad_enabled():
-            Refresh.apply(self, *self.sources)
+            if self.state is not None:
+                self.state.refresh(self.sources)
+                return self.replicas
+            _apply_refresh(self, self.sources)
         else:
             with torch.no_grad():
                 self.copy_sources(tuple(self.sources))

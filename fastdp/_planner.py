@@ -1,9 +1,10 @@
 """The scatter planner: chunk sizes for every input leaf of a forward.
 
-The C++ planner (``fastdp._C.plan_chunks``) and this Python fallback implement one contract and are
-tested against each other: per leaf ``torch.chunk`` sizes (``split = ceil(size / n)``; ``n`` chunks
-of 0 for an empty leaf), all leaves yielding the same number of chunks or a ValueError; with explicit
-``chunk_sizes`` (one per device, non-negative) every leaf must have size ``sum(chunk_sizes)``.
+The C++ planner (``fastdp._C.plan_chunks``) and this Python fallback implement one contract and
+are tested against each other: per leaf ``torch.chunk`` sizes (``split = ceil(size / n)``; ``n``
+chunks of 0 for an empty leaf), all leaves yielding the same number of chunks or a ValueError; with
+explicit ``chunk_sizes`` (one per device, non-negative) every leaf must have size
+``sum(chunk_sizes)``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ and must then be rebuilt. The kinds of change, and what catches each, without a 
   because every step copies the originals into the replicas.
 * Hooks need nothing: replicas share the original modules' hook dicts (shallow ``__dict__`` copy).
 
+* Attributes that a replica's own ``forward`` sets (``self.calls += 1``, caches): DataParallel
+  starts every step from fresh copies, so such writes never outlive a step. Replicas are tracked
+  with a snapshot of their ``__dict__``; the wrapped ``__setattr__``/``__delattr__`` mark a tracked
+  replica dirty, and the next refresh restores only the dirty ones.
+
 Not seen: writes that bypass ``Module`` methods (``module.__dict__[k] = v``,
 ``module._modules[k] = m`` directly); call ``FastDataParallel.invalidate_replicas()`` after those.
 """
@@ -35,6 +40,9 @@ from typing import Any
 from torch.nn import Module
 
 _watched: weakref.WeakSet = weakref.WeakSet()
+# replica -> (snapshot of its __dict__ without the parameter slots, the slot names)
+_snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_dirty: weakref.WeakSet = weakref.WeakSet()
 _generation = 0
 _lock = threading.Lock()
 _installed = False
@@ -59,12 +67,42 @@ def watch(modules: Any) -> None:
         _watched.add(m)
 
 
+def track_replica(replica: Module, protected: frozenset) -> None:
+    """Remember ``replica``'s attributes (minus ``protected`` slots) to restore after a step."""
+    install()
+    d = replica.__dict__
+    _snapshots[replica] = ({k: v for k, v in d.items() if k not in protected}, protected)
+
+
+def restore_dirty() -> None:
+    """Undo attribute writes made on tracked replicas since their snapshot (DataParallel's
+    fresh-replica semantics)."""
+    for r in list(_dirty):
+        _dirty.discard(r)
+        entry = _snapshots.get(r)
+        if entry is None:
+            continue
+        snap, protected = entry
+        d = r.__dict__
+        for k in [k for k in d if k not in snap and k not in protected]:
+            del d[k]
+        d.update(snap)
+
+
+def has_dirty() -> bool:
+    return bool(_dirty)
+
+
 def _wrap(name: str, orig: Any) -> Any:
+    marks_replicas = name in ("__setattr__", "__delattr__")
+
     def wrapper(self, *args, **kwargs):
         global _generation
         try:
             if self in _watched:
                 _generation += 1
+            elif marks_replicas and self in _snapshots:
+                _dirty.add(self)
         except TypeError:  # an unhashable module subclass cannot be watched (never cached)
             pass
         return orig(self, *args, **kwargs)

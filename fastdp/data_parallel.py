@@ -1,4 +1,4 @@
-"""``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU "virtual" replicas.
+"""``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU virtual replicas.
 
 See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
 """
@@ -13,17 +13,21 @@ from itertools import chain
 from typing import Any
 
 import torch
-from torch._utils import ExceptionWrapper
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _watch
+from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
+from fastdp._planner import chunk_sizes_for
 from fastdp._workers import WorkerPool
-from fastdp.parallel_apply import capture_state, parallel_apply, run_replica
+from fastdp.checkpoint import load_wrapped_state_dict
+from fastdp.criterion import Scattered
+from fastdp.parallel_apply import capture_state, parallel_apply, raise_first_error, run_replica
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
+from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
 
@@ -55,6 +59,16 @@ class FastDataParallel(DataParallel):
         output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
             for the CPU).
         dim: the dimension inputs are chunked along and outputs concatenated along.
+        persistent: keyword-only; keep replicas across steps (see NOTE [ Persistent replicas ]).
+        chunk_sizes: keyword-only; rows per device (summing to the batch; 0 skips a device).
+        balance: keyword-only; relative shares per device, turned into chunk sizes for every
+            batch by largest-remainder rounding (0 skips a device). Exclusive with chunk_sizes.
+        gather_output: keyword-only; False makes ``forward`` return a ``fastdp.Scattered`` of the
+            per-replica outputs (see ``fastdp.ParallelCriterion``).
+
+    SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
+    the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
+    ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp.checkpoint``.
     """
 
     def __init__(
@@ -65,6 +79,9 @@ class FastDataParallel(DataParallel):
         dim: int = 0,
         *,
         persistent: bool = True,
+        chunk_sizes: Sequence[int] | None = None,
+        balance: Sequence[float] | None = None,
+        gather_output: bool = True,
     ) -> None:
         Module.__init__(self)
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
@@ -76,7 +93,10 @@ class FastDataParallel(DataParallel):
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
         weakref.finalize(self, self._pool.shutdown)
+        self.gather_output = gather_output
         devs = self._resolve_devices(device_ids)
+        self.chunk_sizes, self.balance = _balance.check_split_args(
+            chunk_sizes, balance, None if devs is None else len(devs))
         if devs is None:
             self.device_ids = []
             return
@@ -117,18 +137,50 @@ class FastDataParallel(DataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.autograd.profiler.record_function("FastDataParallel.forward"):
             if not self.device_ids:
-                return self.module(*inputs, **kwargs)
+                batch = None if self.gather_output else _balance.first_batch_size(
+                    (inputs, kwargs), self.dim)
+                return self._direct(self.module(*inputs, **kwargs), batch, None)
             self._check_device_cached()
+            devices, sizes, batch = self._devices, None, None
+            if self.chunk_sizes is not None or self.balance is not None or not self.gather_output:
+                # [beyond DP] the devices that get rows (0-row ones dropped) and their sizes
+                batch = _balance.first_batch_size((inputs, kwargs), self.dim)
+                devices, sizes = _balance.plan_devices(self._devices, batch, self.dim,
+                                                       self.chunk_sizes, self.balance)
+            custom = sizes is not None or len(devices) != len(self._devices)
+            ids = [public_id(d) for d in devices] if custom else self.device_ids
             if len(self._devices) == 1 and self._devices[0].type == "cpu":
-                return self.module(*inputs, **kwargs)  # one CPU device: nothing to move
-            inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+                # one CPU device: nothing to move
+                return self._direct(self.module(*inputs, **kwargs), batch, devices[0])
+            split = {} if sizes is None else {"chunk_sizes": sizes}
+            inputs, module_kwargs = self.scatter(inputs, kwargs, ids, **split)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
-                return self.module(*inputs[0], **module_kwargs[0])
-            replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-            outputs = self.parallel_apply(replicas, inputs, module_kwargs)
+                out = self.module(*inputs[0], **module_kwargs[0])
+                return self._direct(out, batch, devices[0])
+            replicas = self.replicate(self.module, ids[: len(inputs)])
+            on = {"devices": devices[: len(inputs)]} if custom else {}
+            with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
+                outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+            if not self.gather_output:  # [beyond DP]
+                return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
+                                 devices[: len(outputs)], self.dim, self._output)
             return self.gather(outputs, self.output_device)
+
+    def _direct(self, output: Any, batch: int | None, device: Any) -> Any:
+        """The output of a forward that ran the module itself (no replicas, no gather)."""
+        if self.gather_output:
+            return output
+        return Scattered([output], None if batch is None else [batch], [device], self.dim, None)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``Module.load_state_dict`` taking ``module.``-prefixed (DataParallel, DDP) or bare keys
+        (the plain module, ``fastdp.unwrap(m).state_dict()``, FSDP2's ``get_model_state_dict``).
+
+        Mismatched keys raise a ``RuntimeError`` naming the nearest expected keys.
+        """
+        return load_wrapped_state_dict(self, state_dict, strict, assign)
 
     def _check_device_cached(self) -> None:
         """DataParallel's per-step device check, re-run only when the module changed."""
@@ -166,12 +218,14 @@ class FastDataParallel(DataParallel):
         return rs.refresh()
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
-                device_ids: Sequence[Any]) -> Any:
-        return scatter_kwargs(inputs, kwargs, _devs(device_ids), dim=self.dim)
+                device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:
+        return scatter_kwargs(inputs, kwargs, _devs(device_ids), dim=self.dim,
+                              chunk_sizes=chunk_sizes)
 
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
-                       kwargs: Any) -> list[Any]:
-        devices = self._devices[: len(replicas)]
+                       kwargs: Any, devices: Sequence[Any] | None = None) -> list[Any]:
+        if devices is None:
+            devices = self._devices[: len(replicas)]
         if not self.persistent or len(replicas) < 2:
             return parallel_apply(replicas, inputs, kwargs, devices)
         if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
@@ -182,9 +236,7 @@ class FastDataParallel(DataParallel):
         fns = [_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
                for i in range(len(replicas))]
         results = self._pool.run(fns)
-        for out in results:
-            if isinstance(out, ExceptionWrapper):
-                out.reraise()
+        raise_first_error(results)
         return results
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
@@ -205,6 +257,11 @@ class _Call:
         return out
 
 
+def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:
+    """torch.chunk sizes of the first input leaf (the planner's plan for it)."""
+    return None if batch is None else chunk_sizes_for(batch, num_devices)[:n]
+
+
 def _devs(ids: Sequence[Any]) -> list[torch.device]:
     return [as_device(i) for i in ids]
 
@@ -223,7 +280,7 @@ def data_parallel(
     dim: int = 0,
     module_kwargs: Any | None = None,
 ) -> Any:
-    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel: the functional FastDataParallel."""
+    """Evaluate ``module(*inputs, **module_kwargs)`` in parallel (functional FastDataParallel)."""
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is None:
@@ -242,5 +299,6 @@ def data_parallel(
         return module(*inputs[0], **kwargs[0])
     used = devs[: len(inputs)]
     replicas = replicate(module, used)
-    outputs = parallel_apply(replicas, inputs, kwargs, used)
+    with prepare_replicas(replicas):
+        outputs = parallel_apply(replicas, inputs, kwargs, used)
     return gather(outputs, out, dim)

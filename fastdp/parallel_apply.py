@@ -19,9 +19,16 @@ from torch.nn import Module
 
 from fastdp._devices import as_device
 
-__all__ = ["parallel_apply", "capture_state"]
+__all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
+
+
+class ReplicaAborted(RuntimeError):
+    """A replica stopped because another replica of the same step failed (SyncBatchNorm waits).
+
+    ``parallel_apply`` re-raises the failing replica's own error in preference to these.
+    """
 
 
 def capture_state() -> dict[str, Any]:
@@ -110,7 +117,13 @@ def parallel_apply(
             t.join()
     elif modules:
         work(0)
-    for out in results:
-        if isinstance(out, ExceptionWrapper):
-            out.reraise()
+    raise_first_error(results)
     return results
+
+
+def raise_first_error(results: Sequence[Any]) -> None:
+    """Re-raise the first replica error, preferring a replica's own over ``ReplicaAborted``."""
+    errors = [out for out in results if isinstance(out, ExceptionWrapper)]
+    if errors:
+        first = next((e for e in errors if not issubclass(e.exc_type, ReplicaAborted)), errors[0])
+        first.reraise()

@@ -43,9 +43,10 @@ def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
 
 
-def run_step(module: torch.nn.Module, inputs: Sequence[Any], loss: Callable[[Any], Any] | None = None
+def run_step(module: torch.nn.Module, inputs: Sequence[Any],
+             loss: Callable[[Any], Any] | None = None
              ) -> tuple[Any, list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
-    """Forward, backward of ``loss(out)`` (default: sum of the output); outputs, input grads, grads."""
+    """Forward, backward of ``loss(out)`` (default: sum of the output); outputs, grads."""
     module.zero_grad(set_to_none=True)
     out = module(*inputs)
     value = loss(out) if loss is not None else out.float().sum()

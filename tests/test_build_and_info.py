@@ -1,4 +1,4 @@
-"""The build: what was compiled, backend loading, ``fastdp.info()`` and ``python -m fastdp.info``."""
+"""The build: what was compiled, backend loading, ``fastdp.info()``, ``python -m fastdp.info``."""
 
 import os
 import subprocess
@@ -28,7 +28,7 @@ def test_extension_is_built_and_loaded():
 
 
 def test_expected_build_flavour():
-    """CI sets FASTDP_EXPECT_CUDA_BUILD=1 for the CUDA-torch build (no GPU) and 0 for the CPU one."""
+    """CI sets FASTDP_EXPECT_CUDA_BUILD=1 for the CUDA-torch build (no GPU), 0 for the CPU one."""
     expect = os.environ.get("FASTDP_EXPECT_CUDA_BUILD")
     if expect is None:
         pytest.skip("FASTDP_EXPECT_CUDA_BUILD not set")

@@ -41,7 +41,8 @@ def test_replica_exception_of_custom_type(backend):
 def test_module_on_wrong_device_keeps_dataparallels_message(backend):
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     fdp = FastDataParallel(m, device_ids=["cpu"] * 2)
-    with pytest.raises(RuntimeError, match=r"^module must have its parameters and buffers on device "
+    with pytest.raises(RuntimeError,
+                       match=r"^module must have its parameters and buffers on device "
                        r"cpu \(device_ids\[0\]\) but found one of them on device: meta$"):
         fdp(torch.ones(4, 2))
 
@@ -72,7 +73,8 @@ def test_lazy_modules_must_be_initialised_first(backend):
     fdp = FastDataParallel(nn.Sequential(nn.LazyLinear(3)), device_ids=["cpu"] * 2)
     # nn.DataParallel raises ValueError("Attempted to use an uninitialized parameter ...");
     # fastdp keeps that type and text and adds lazy.py's explanation.
-    with pytest.raises(ValueError, match="Attempted to use an uninitialized parameter.*Modules with "
+    with pytest.raises(ValueError,
+                       match="Attempted to use an uninitialized parameter.*Modules with "
                        "uninitialized parameters can't be used with `DataParallel`. Run a dummy"):
         fdp(torch.ones(4, 5))
 

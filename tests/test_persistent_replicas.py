@@ -170,6 +170,11 @@ def test_scenarios_fail_without_invalidation(monkeypatch):
 
 
 def test_scenarios_fail_without_refresh(monkeypatch):
+    """On the torch path, where the copy is a patchable Python method (the extension's copy is
+    inside its C++ refresh, exercised by every other test)."""
+    from fastdp import _backend
+
+    monkeypatch.setattr(_backend, "_enabled", False)
     monkeypatch.setattr(ReplicaSet, "copy_sources", lambda self, sources: None)
     caught = [n for n, (_, by) in SCENARIOS.items() if by == "refresh"]
     assert all(_fails(n) for n in caught)
@@ -304,3 +309,26 @@ def test_keyboard_interrupt_returns_promptly_and_next_step_works(backend):
     model.cfg["delay"] = 0.0
     assert_close(fdp(x), model(x))  # waits for the interrupted tasks, then runs correctly
     assert len(threading.enumerate()) <= threads
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # DataParallel: lost with the replica after every step
+        self.last_rows = x.shape[0]
+        return self.lin(x) * self.calls
+
+
+def test_attributes_set_in_forward_do_not_outlive_the_step(backend):
+    model = Counter()
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 2)
+    x = torch.ones(4, 2)
+    for _ in range(3):
+        assert_close(fdp(x), model.lin(x))  # calls is 1 inside every replica, every step
+    assert model.calls == 0 and not hasattr(model, "last_rows")
+    replica = fdp.replicate(model, fdp.device_ids)[1]
+    assert replica.calls == 0 and not hasattr(replica, "last_rows")

@@ -139,7 +139,7 @@ class Outputs(nn.Module):
         if k == "dataclass":
             return Result(logits=x, loss=x.sum(), name="r")
         if k == "str":
-            return "s%d" % x.shape[0]
+            return f"s{x.shape[0]}"
         if k == "int":
             return x.shape[0]
         raise AssertionError(k)

@@ -1,0 +1,127 @@
+#include "refresh.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/custom_class.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "signature.h"
+
+namespace fastdp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+void copy_all(const std::vector<at::Tensor>& dests, const std::vector<at::Tensor>& sources) {
+  TORCH_CHECK(dests.size() == sources.size(), "fastdp.refresh: ", dests.size(),
+              " replica tensors for ", sources.size(), " sources");
+  if (dests.empty()) return;
+  if (dests[0].device().is_cpu() && sources[0].device().is_cpu()) {
+    at::parallel_for(0, static_cast<int64_t>(dests.size()), 16, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) dests[k].copy_(sources[k]);
+    });
+  } else {
+    at::_foreach_copy_(dests, sources, /*non_blocking=*/true);
+  }
+}
+
+// Keeps a step's pending token alive in the node's saved_data (an IValue capsule).
+struct TokenHolder : torch::CustomClassHolder {
+  TokenHolder(std::shared_ptr<std::atomic<bool>> t, std::shared_ptr<RefreshState> s)
+      : token(std::move(t)), state(std::move(s)) {}
+  std::shared_ptr<std::atomic<bool>> token;
+  std::shared_ptr<RefreshState> state;  // for the shapes of gradients that never arrived
+};
+
+struct RefreshFn : public torch::autograd::Function<RefreshFn> {
+  // `sources` must be an at::TensorList: ExtractVariables treats a std::vector as a non-tensor.
+  static variable_list forward(AutogradContext* ctx, std::shared_ptr<RefreshState> state,
+                               at::TensorList sources) {
+    refresh_copy(*state, sources.vec());
+    const size_t n = sources.size();
+    auto token = std::make_shared<std::atomic<bool>>(true);
+    state->pending = token;
+    ctx->saved_data["n"] = static_cast<int64_t>(n);
+    ctx->saved_data["replicas"] = static_cast<int64_t>(state->tensors.size());
+    ctx->saved_data["device"] = sources.empty() ? at::Device(at::kCPU) : sources[0].device();
+    ctx->saved_data["token"] = c10::IValue::make_capsule(c10::make_intrusive<TokenHolder>(token, state));
+    variable_list outs;
+    variable_list frozen;
+    outs.reserve(n * state->tensors.size());
+    for (const auto& dev_tensors : state->tensors) {
+      for (size_t k = 0; k < n; ++k) {
+        outs.push_back(dev_tensors[k]);
+        if (!sources[k].requires_grad()) frozen.push_back(dev_tensors[k]);
+      }
+    }
+    if (!frozen.empty()) ctx->mark_non_differentiable(frozen);
+    return outs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto holder = c10::static_intrusive_pointer_cast<TokenHolder>(
+        ctx->saved_data["token"].toCapsule());
+    holder->token->store(false);
+    const int64_t n = ctx->saved_data["n"].toInt();
+    const int64_t r = ctx->saved_data["replicas"].toInt();
+    const at::Device dev = ctx->saved_data["device"].toDevice();
+    const auto& shapes = holder->state->tensors[0];
+    std::vector<int64_t> needed;
+    for (int64_t k = 0; k < n; ++k) {
+      if (ctx->needs_input_grad(k)) needed.push_back(k);  // indexes variable inputs only
+    }
+    // Per replica, the gradients of the needed sources; DataParallel gives unused parameters
+    // zero gradients, so what never arrived is materialized.
+    std::vector<variable_list> per(r);
+    bool local = true;
+    for (int64_t j = 0; j < r; ++j) {
+      per[j].reserve(needed.size());
+      for (int64_t k : needed) {
+        at::Tensor g = grads[j * n + k];
+        if (!g.defined()) g = at::zeros_like(shapes[k], at::MemoryFormat::Preserve);
+        local = local && g.device() == dev;
+        per[j].push_back(std::move(g));
+      }
+    }
+    variable_list acc = per[0];
+    for (int64_t j = 1; j < r; ++j) {
+      if (local && !acc.empty()) {
+        acc = at::_foreach_add(acc, per[j]);  // one multi-tensor add per replica
+      } else {
+        for (size_t i = 0; i < acc.size(); ++i) acc[i] = acc[i] + per[j][i].to(dev);
+      }
+    }
+    variable_list out(n + 1);  // [state (no grad), sources...]
+    for (size_t i = 0; i < needed.size(); ++i) out[needed[i] + 1] = acc[i];
+    return out;
+  }
+};
+
+}  // namespace
+
+void refresh_copy(RefreshState& state, const std::vector<at::Tensor>& sources) {
+  at::NoGradGuard no_grad;
+  for (size_t j = 1; j < state.tensors.size(); ++j) copy_all(state.tensors[j], sources);
+}
+
+void refresh_autograd(const std::shared_ptr<RefreshState>& state,
+                      const std::vector<at::Tensor>& sources) {
+  auto outs = RefreshFn::apply(state, at::TensorList(sources));
+  state->baseline = 0;
+  for (const auto& t : outs) {
+    if (t.requires_grad()) {
+      state->baseline = grad_fn_use_count(t);
+      break;
+    }
+  }
+}
+
+bool refresh_graph_alive(const RefreshState& state) {
+  if (!state.pending->load()) return false;
+  for (const auto& t : state.tensors[0]) {
+    if (t.requires_grad() && t.grad_fn()) return grad_fn_use_count(t) > state.baseline;
+  }
+  return false;
+}
+
+}  // namespace fastdp

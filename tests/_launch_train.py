@@ -1,0 +1,47 @@
+"""Training script for tests/test_launch.py: the same file runs under ``python`` and ``torchrun``.
+
+``python _launch_train.py OUT`` trains with FastDataParallel on two CPU replicas;
+``torchrun --nproc_per_node 2 _launch_train.py OUT`` trains with DDP (gloo) on two processes.
+Rank 0 saves the final bare state dict, the global loss of every step and the wrapper's type.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fastdp
+
+
+def main(out_path: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model = fastdp.wrap(net, device_ids=["cpu", "cpu"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    data = torch.Generator().manual_seed(1)  # every rank draws the same global batches
+    losses = []
+    for _ in range(6):
+        x = torch.randn(16, 8, generator=data)
+        y = torch.randint(0, 4, (16,), generator=data)
+        xs, ys = fastdp.shard_batch((x, y))
+        loss = F.cross_entropy(model(xs), ys)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        global_loss = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(global_loss)
+            global_loss /= dist.get_world_size()
+        losses.append(global_loss.item())
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save({"state": fastdp.unwrap(model).state_dict(), "losses": losses,
+                    "wrapper": type(model).__name__}, out_path)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
