@@ -123,7 +123,8 @@ def make_extension():
             visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
             if not visible:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
-                print(f"fastdp: no GPU visible, TORCH_CUDA_ARCH_LIST={DEFAULT_ARCHS}", file=sys.stderr)
+                print(f"fastdp: no GPU visible, TORCH_CUDA_ARCH_LIST={DEFAULT_ARCHS}",
+                      file=sys.stderr)
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
         macros += [("WITH_CUDA", None), ("FASTDP_ARCH_LIST", f'"{archs}"')]
         extra["nvcc"] = opt + ["-lineinfo"] + os.environ.get("NVCC_FLAGS", "").split()

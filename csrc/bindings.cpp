@@ -52,21 +52,25 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_readwrite("tensors", &fastdp::RefreshState::tensors,
                      "tensors[j][k]: source k on replica j (replica 0 aliases the sources)")
+      .def_readwrite("copy_rows", &fastdp::RefreshState::copy_rows,
+                     "replicas whose tensors are copies refreshed by copy()/refresh()")
       .def(
           "copy",
           [](fastdp::RefreshState& st, const std::vector<at::Tensor>& sources) {
             py::gil_scoped_release no_gil;
             fastdp::refresh_copy(st, sources);
           },
-          "Copy sources into replicas 1.. (no autograd).")
+          "Copy sources into the replicas of copy_rows (no autograd).")
       .def(
-          "refresh",
+          "link",
           [](const std::shared_ptr<fastdp::RefreshState>& st,
              const std::vector<at::Tensor>& sources) {
             py::gil_scoped_release no_gil;
-            fastdp::refresh_autograd(st, sources);
+            fastdp::refresh_link(st, sources);
           },
-          "Copy and link every replica tensor to the sources through one autograd node.")
+          "Copy, and link every replica tensor to the sources through one reusable autograd node.")
+      .def("mark_step", &fastdp::refresh_mark_step,
+           "A step that may build a graph through the node (its backward clears it).")
       .def("graph_alive", &fastdp::refresh_graph_alive,
            "Whether the last step's graph may still need the current replica tensors.");
 

@@ -39,8 +39,7 @@ struct RefreshFn : public torch::autograd::Function<RefreshFn> {
                                at::TensorList sources) {
     refresh_copy(*state, sources.vec());
     const size_t n = sources.size();
-    auto token = std::make_shared<std::atomic<bool>>(true);
-    state->pending = token;
+    auto token = state->pending;
     ctx->saved_data["n"] = static_cast<int64_t>(n);
     ctx->saved_data["replicas"] = static_cast<int64_t>(state->tensors.size());
     ctx->saved_data["device"] = sources.empty() ? at::Device(at::kCPU) : sources[0].device();
@@ -101,11 +100,18 @@ struct RefreshFn : public torch::autograd::Function<RefreshFn> {
 
 void refresh_copy(RefreshState& state, const std::vector<at::Tensor>& sources) {
   at::NoGradGuard no_grad;
-  for (size_t j = 1; j < state.tensors.size(); ++j) copy_all(state.tensors[j], sources);
+  for (int64_t j : state.copy_rows) {
+    TORCH_CHECK(j > 0 && j < static_cast<int64_t>(state.tensors.size()),
+                "fastdp.refresh: copy row ", j, " out of range");
+    copy_all(state.tensors[j], sources);
+  }
 }
 
-void refresh_autograd(const std::shared_ptr<RefreshState>& state,
-                      const std::vector<at::Tensor>& sources) {
+void refresh_link(const std::shared_ptr<RefreshState>& state,
+                  const std::vector<at::Tensor>& sources) {
+  at::AutoGradMode grad_on(true);
+  c10::InferenceMode not_inference(false);
+  state->pending = std::make_shared<std::atomic<bool>>(false);
   auto outs = RefreshFn::apply(state, at::TensorList(sources));
   state->baseline = 0;
   for (const auto& t : outs) {
@@ -115,6 +121,8 @@ void refresh_autograd(const std::shared_ptr<RefreshState>& state,
     }
   }
 }
+
+void refresh_mark_step(RefreshState& state) { state.pending->store(true); }
 
 bool refresh_graph_alive(const RefreshState& state) {
   if (!state.pending->load()) return false;

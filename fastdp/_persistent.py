@@ -2,22 +2,28 @@
 
 NOTE [ Persistent replicas ]
 DataParallel's ``replicate`` clones every submodule and ``setattr``s every parameter on every step.
-A ``ReplicaSet`` does that once; each replica's parameters and buffers are persistent tensors
-(replica 0's alias the originals' storage, as in DataParallel; the others are buffers of their
-own). A step then costs one ``Refresh`` autograd Function: its forward copies the originals into
-the other replicas' tensors (one ``_foreach_copy_`` or extension call per device) and *returns the
-persistent tensors themselves*, so autograd re-points their ``grad_fn`` at this step's node and the
-replica modules never need touching; its backward sums every replica's gradient (DataParallel's
-Broadcast backward: a coalesced reduce) into the originals, so gradient hooks on the originals see
-the total once, ``autograd.grad`` works, and unused parameters get zeros.
+A ``ReplicaSet`` does that once. Each replica's parameters are persistent tensors: replica 0's
+alias the originals (``detach()``: storage and version counter shared, as DataParallel's views);
+replicas on the originals' own device (CPU replicas, repeated GPU ids) alias the storage with
+version counters of their own, so optimizer steps reach them with no copy; replicas on other
+devices hold copies, refreshed every step by one call per device. Buffers are copies (refreshed
+every step) except replica 0's, which are the originals (BatchNorm statistics from replica 0).
 
-Reusing tensors in place is only safe when no live graph still needs their old values. A step's
-graph is "pending" from its forward until ``Refresh.backward`` runs. A pending graph is harmless
-once nothing points at the Refresh node any more (its outputs were dropped): the extension reads
-the node's owner count (``grad_fn_use_count``) right after ``apply`` and again at the next step;
-equal counts mean no later node of any graph holds an edge to it. Otherwise (two forwards before
-one backward, a live forward that was never back-propagated, or no extension to ask) the set gets
-fresh replica tensors instead of overwriting them: slower, and correct.
+Autograd: one ``Refresh`` node *returns the persistent tensors themselves*, so their ``grad_fn``
+is that node and the replica modules never need touching. Its backward sums every replica's
+gradient into the originals (DataParallel's Broadcast backward: a coalesced reduce), so gradient
+hooks on the originals see the total once, ``autograd.grad`` works, unused parameters get zeros,
+and double backward works (differentiable ops). On the extension path the node is made once per
+tensor set (``RefreshState.link``) and reused by every step: it saves no tensors, so nothing is
+freed by a backward. A step's Python work is then a signature check, a copy call and a flag. On
+the torch path a Python ``Refresh`` is applied every step.
+
+Overwriting copies is only safe when no live graph still needs their old values. A step is
+"pending" from its refresh until the node's backward runs; a pending step is harmless once
+nothing points at the node any more (the extension compares the node's owner count with its value
+right after linking). Otherwise (two forwards before one backward with copies, held outputs, or
+the torch path without a backward) the set gets fresh copies (and a fresh node): slower, correct.
+Aliases are never overwritten, so they never need this.
 Rebuilds on structural change: see NOTE [ Replica invalidation ] in ``fastdp/_watch.py``.
 """
 
@@ -81,7 +87,7 @@ class NotCacheable(Exception):
     """The module cannot have persistent replicas (TorchScript modules); replicate afresh."""
 
 
-def _apply_refresh(rs: "ReplicaSet", sources: list[torch.Tensor]) -> Any:
+def _apply_refresh(rs: ReplicaSet, sources: list[torch.Tensor]) -> Any:
     """``Refresh.apply`` minus ``Function.apply``'s per-argument Python pass (which only unwraps
     dead functorch wrappers, so it is kept whenever a functorch transform is active)."""
     if torch._C._are_functorch_transforms_active():
@@ -92,8 +98,18 @@ def _apply_refresh(rs: "ReplicaSet", sources: list[torch.Tensor]) -> Any:
 _FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s storage with a version counter of its own (not a view: autograd sees
+    an independent tensor, as DataParallel's copies are)."""
+    with torch.no_grad():
+        a = torch.empty(0, dtype=t.dtype, device=t.device)
+        return a.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 class ReplicaSet:
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals)."""
+
+    alias_same_device = True  # tests turn it off to exercise the copy path on one device
 
     def __init__(self, network: Module, devices: list[torch.device]) -> None:
         from fastdp import replicate as _rep
@@ -122,21 +138,34 @@ class ReplicaSet:
         self.ext = ext if ext is not None and hasattr(ext, "RefreshState") else None
         self.state = self.ext.RefreshState() if self.ext is not None else None
         self.buffer_state = self.ext.RefreshState() if self.ext is not None else None
-        self.tensors = self._new_tensors()
-        self.buffer_copies = [[b.detach().to(d, copy=True) for b in self.buffers]
-                              for d in self.devices[1:]]
+        with torch.inference_mode(False):  # replica tensors must be normal tensors
+            self.tensors = self._new_tensors()
+            self.buffer_copies = [[b.detach().to(d, copy=True) for b in self.buffers]
+                                  for d in self.devices[1:]]
         if self.buffer_state is not None:
             self.buffer_state.tensors = [list(self.buffers)] + self.buffer_copies
+            self.buffer_state.copy_rows = list(range(1, len(self.devices)))  # always copies
         self.replicas = self._build()
+        if self.state is not None and self.any_grad:
+            self.state.link(self.sources)
         _watch.watch(self.modules)
         self.generation = _watch.generation()  # after building: building bumps it
         self.signature = tensor_signature(self.watched)
 
     def _new_tensors(self) -> list[list[torch.Tensor]]:
-        first = [s.detach() for s in self.sources]  # aliases: storage and version shared
-        rest = [[torch.empty_like(s, device=d) for s in self.sources] for d in self.devices[1:]]
+        with torch.inference_mode(False):
+            return self._make_tensors()
+
+    def _make_tensors(self) -> list[list[torch.Tensor]]:
+        first = [s.detach() for s in self.sources]  # replica 0: storage and version shared
+        rest = [[_alias(s) for s in self.sources] if d == self.src_device and self.alias_same_device
+                else [torch.empty_like(s, device=d) for s in self.sources]
+                for d in self.devices[1:]]
+        self.copy_rows = [j for j in range(1, len(self.devices))
+                          if not (self.devices[j] == self.src_device and self.alias_same_device)]
         if self.state is not None:
             self.state.tensors = [first] + rest
+            self.state.copy_rows = self.copy_rows
         return [first] + rest
 
     def _build(self) -> list[Module]:
@@ -216,20 +245,27 @@ class ReplicaSet:
         """Copy the originals into replicas 1.. (called by Refresh.forward, under no_grad)."""
         if self.state is not None:
             self.state.copy(list(sources))
-        elif len(self.devices) > 1:
-            comm.broadcast_into(list(sources), self.tensors[1:])
+        elif self.copy_rows:
+            comm.broadcast_into(list(sources), [self.tensors[j] for j in self.copy_rows])
 
     def _graph_alive(self) -> bool:
-        """Whether the last step's graph may still need the current tensors' values."""
-        if self.state is not None:
-            return self.state.graph_alive()
+        """Torch path: whether the last step's graph may still need the current tensors."""
         return self.token is not None and self.token.pending  # no extension: be conservative
+
+    def _renew(self) -> None:
+        """Fresh replica tensors (and, on the extension path, a fresh node)."""
+        self.tensors = self._new_tensors()
+        self._assign()
+        if self.state is not None and self.any_grad:
+            self.state.link(self.sources)
 
     def refresh(self) -> list[Module]:
         """This step's replicas: tensors refreshed from the originals, autograd linked."""
-        if self._graph_alive():
-            self.tensors = self._new_tensors()  # the last graph may still need the old values
-            self._assign()
+        if self.state is not None:
+            if self.copy_rows and self.state.graph_alive():
+                self._renew()  # a live graph may still need the copies' old values
+        elif self._graph_alive():
+            self._renew()
         self.token = None
         if _watch.has_dirty():
             _watch.restore_dirty()
@@ -239,10 +275,12 @@ class ReplicaSet:
             else:
                 with torch.no_grad():
                     comm.broadcast_into(self.buffers, self.buffer_copies)
+        if self.state is not None:  # the node made by link() serves every step
+            self.state.copy(self.sources)
+            if self.any_grad and torch.is_grad_enabled():
+                self.state.mark_step()
+            return self.replicas
         if self.any_grad and torch.is_grad_enabled():
-            if self.state is not None:
-                self.state.refresh(self.sources)
-                return self.replicas
             _apply_refresh(self, self.sources)
         else:
             with torch.no_grad():

@@ -175,6 +175,7 @@ def test_scenarios_fail_without_refresh(monkeypatch):
     from fastdp import _backend
 
     monkeypatch.setattr(_backend, "_enabled", False)
+    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)  # copies, as on other devices
     monkeypatch.setattr(ReplicaSet, "copy_sources", lambda self, sources: None)
     caught = [n for n, (_, by) in SCENARIOS.items() if by == "refresh"]
     assert all(_fails(n) for n in caught)
@@ -199,6 +200,28 @@ def test_replicas_are_built_once_in_steady_state(backend, monkeypatch):
     assert len(builds) == 1
     r1 = fdp.replicate(model, fdp.device_ids)
     assert fdp.replicate(model, fdp.device_ids)[1] is r1[1]  # the same replica objects
+
+
+@pytest.mark.parametrize("alias", [True, False])
+def test_copy_path_matches_alias_path(backend, monkeypatch, alias):
+    """Replicas on another device hold copies; on one machine the copy path is forced."""
+    monkeypatch.setattr(ReplicaSet, "alias_same_device", alias)
+    for name in ("inplace_update", "load_state_dict", "parameter_data_swap"):
+        got, ref = run_scenario(name)
+        assert _matches(got, ref), name
+
+
+def test_same_device_replicas_alias_storage_with_own_versions(backend):
+    model = nn.Linear(3, 3)
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 3)
+    fdp(torch.randn(6, 3)).sum().backward()
+    r = fdp.replicate(model, fdp.device_ids)
+    for rep in r[1:]:
+        assert rep.weight.data_ptr() == model.weight.data_ptr()  # no copy on the same device
+    v = model.weight._version
+    with torch.no_grad():
+        r[2].weight.add_(0)
+    assert model.weight._version == v
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
@@ -332,3 +355,44 @@ def test_attributes_set_in_forward_do_not_outlive_the_step(backend):
     assert model.calls == 0 and not hasattr(model, "last_rows")
     replica = fdp.replicate(model, fdp.device_ids)[1]
     assert replica.calls == 0 and not hasattr(replica, "last_rows")
+
+
+def test_first_call_in_inference_mode_then_training(backend):
+    """Replica tensors made inside inference_mode must still serve later training steps."""
+    torch.manual_seed(0)
+    model = Scaled()
+    fdp = FastDataParallel(model, device_ids=["cpu"] * N)
+    x = torch.randn(9, 6)
+    with torch.inference_mode():
+        assert_close(fdp(x), model(x))
+    with torch.no_grad():
+        fdp(x)
+    got = _fdp_step(fdp, x)
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for n, p in model.named_parameters():
+        assert_close(got[1][n], p.grad, msg=n)
+
+
+def test_held_outputs_across_steps_stay_correct(backend, monkeypatch):
+    """Users who keep losses across steps (``losses.append(loss)``) keep graphs alive; forced
+    copies (as on other devices) must then not be overwritten under those graphs."""
+    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)
+    torch.manual_seed(0)
+    model = Scaled()
+    fdp = FastDataParallel(model, device_ids=["cpu"] * N)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    held = []
+    for _ in range(4):
+        x = torch.randn(9, 6)
+        for m, o in ((fdp, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = m(x).pow(2).sum()
+            if m is fdp:
+                held.append(loss)
+            loss.backward(retain_graph=True)
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q, rtol=1e-5, atol=1e-6)

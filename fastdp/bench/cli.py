@@ -1,0 +1,167 @@
+"""``python -m fastdp.bench``: fastdp vs nn.DataParallel vs the bare module, on this machine.
+
+Writes a table to stdout, ``results.json``, ``table.txt`` and PNG plots under ``--out``; the
+progress bar and notes go to stderr. See ``bench/README.md`` for what each suite measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from fastdp.bench import machine, plots, report, suites_cpu, suites_gpu
+from fastdp.bench.runner import Settings, Task, run_tasks
+
+CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate")
+GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
+MULTI_SUITES = ("multigpu-comm", "multigpu-replicate", "multigpu-steps")
+ALL_SUITES = CPU_SUITES + GPU_SUITES + MULTI_SUITES
+
+_PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
+    "passthrough": suites_cpu.passthrough,
+    "cpu-replicas": suites_cpu.cpu_replicas,
+    "overhead": suites_cpu.overhead_tasks,
+    "replicate": suites_cpu.replicate_tasks,
+    "overhead-cuda": lambda s: suites_cpu.overhead_tasks(s, device="cuda"),
+    "gpu-comm": lambda s: suites_gpu.comm_tasks(s, multi=False),
+    "gpu-replicate": lambda s: suites_gpu.replicate_gpu_tasks(s, multi=False),
+    "gpu-steps": lambda s: suites_gpu.step_tasks(s, multi=False),
+    "multigpu-comm": lambda s: suites_gpu.comm_tasks(s, multi=True),
+    "multigpu-replicate": lambda s: suites_gpu.replicate_gpu_tasks(s, multi=True),
+    "multigpu-steps": lambda s: suites_gpu.step_tasks(s, multi=True),
+}
+
+
+def why_not(suite: str) -> str | None:
+    """Why ``suite`` cannot run on this machine, or None."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if suites_gpu.DRY_RUN and suite in GPU_SUITES + MULTI_SUITES and suite != "overhead-cuda":
+        return None
+    if suite == "passthrough" and gpus:
+        return "needs a machine without CUDA (FastDataParallel(m) takes every GPU there)"
+    if suite in GPU_SUITES and gpus < 1:
+        return "needs a CUDA GPU"
+    if suite in MULTI_SUITES and gpus < 2:
+        return f"needs 2 or more CUDA GPUs (found {gpus})"
+    return None
+
+
+def auto_suites() -> list[str]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        return list(CPU_SUITES)
+    chosen = list(GPU_SUITES) + ["overhead", "replicate"]
+    return chosen + (list(MULTI_SUITES) if gpus >= 2 else [])
+
+
+def settings(profile: str, repeats: int | None, replicas: tuple[int, ...]) -> Settings:
+    base = {
+        "tiny": dict(repeats=2, warmup=1, min_repeat_s=0.0, max_total_s=0.2),
+        "quick": dict(repeats=5, warmup=1, min_repeat_s=0.005, max_total_s=0.4),
+    }.get(profile, dict(repeats=10, warmup=1, min_repeat_s=0.02, max_total_s=3.0))
+    if repeats is not None:
+        base["repeats"] = repeats
+    return Settings(profile=profile, replicas=replicas, **base)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fastdp.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and few repeats (CPU run < 60 s; CI smoke test)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the pytest smoke
+    # Runs the GPU suites' code on CPU devices (meaningless figures): exercises it without a GPU.
+    p.add_argument("--gpu-dry-run", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=os.path.join("bench", "out"),
+                   help="output directory (default: bench/out)")
+    p.add_argument("--suite", nargs="+", default=["auto"], metavar="SUITE",
+                   help=f"auto (by hardware), all, or any of: {', '.join(ALL_SUITES)}")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration")
+    p.add_argument("--replicas", type=int, nargs="+", default=None,
+                   help="replica counts for the step suites (default: 1 2 4; --quick: 1 4)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for the whole run (default 1: CPU replicas are "
+                        "threads themselves; more oversubscribes the cores)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    for s in args.suite:
+        if s not in ALL_SUITES + ("auto", "all"):
+            p.error(f"unknown suite {s!r}; choose from auto, all, {', '.join(ALL_SUITES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the suites; returns the JSON document it wrote (also for in-process tests)."""
+    t_start = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    threads = torch.get_num_threads()
+    suites_gpu.DRY_RUN = args.gpu_dry_run
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, t_start)
+    finally:
+        torch.set_num_threads(threads)
+        suites_gpu.DRY_RUN = False
+
+
+def _note(msg: str) -> None:
+    print(f"fastdp.bench: {msg}", file=sys.stderr)
+
+
+def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
+    """The suites that run here, those skipped (with why), their tasks, and the profiles."""
+    wanted = (auto_suites() if "auto" in args.suite else
+              list(ALL_SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite)))
+    skipped = {s: why for s in wanted if (why := why_not(s))}
+    for s, why in skipped.items():
+        _note(f"suite {s} skipped: {why}")
+    suites = [s for s in wanted if s not in skipped]
+    profiles = {
+        "cpu": "tiny" if args.tiny else "quick" if args.quick else "cpu",
+        "gpu": "tiny" if args.tiny else "quick" if args.quick or args.gpu_dry_run else "gpu",
+    }
+    replicas = tuple(args.replicas or ((1, 4) if args.quick else (1, 2, 4)))
+    tasks: list[Task] = []
+    for s in suites:
+        profile = profiles["gpu" if s in GPU_SUITES + MULTI_SUITES else "cpu"]
+        tasks += _PLANNERS[s](settings(profile, args.repeats, replicas))
+    return suites, skipped, tasks, {**profiles, "replicas": list(replicas)}
+
+
+def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
+    suites, skipped, tasks, profiles = _plan(args)
+    meta = machine.describe(argv)
+    load = machine.load_average()
+    if load is not None and load > 0.5 * (os.cpu_count() or 1):
+        _note(f"the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): "
+              "timings will be noisy; the JSON records the load.")
+    meta.update(suites=suites, skipped_suites=skipped, profiles=profiles,
+                gpu_dry_run=args.gpu_dry_run, tasks=len(tasks))
+    records = run_tasks(tasks, progress=not args.no_progress)
+    report.add_ratios(records)
+    text = report.header(meta) + "\n" + report.format_tables(records)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    pngs: list[str] = []
+    if not args.no_plots and plots.available():
+        pngs = plots.write_all(records, args.out)
+    elif not args.no_plots:
+        _note("matplotlib is not installed; no plots (pip install matplotlib).")
+    meta.update(plots=[os.path.basename(p) for p in pngs], wall_s=time.perf_counter() - t_start,
+                load_average={"start": load, "end": machine.load_average()})
+    json_path = os.path.join(args.out, "results.json")
+    report.write_json(json_path, meta, records)
+    print(f"\nwrote {json_path}, {os.path.join(args.out, 'table.txt')}"
+          + "".join(f", {p}" for p in pngs))
+    print(f"wall time {meta['wall_s']:.1f} s")
+    return {"schema": report.SCHEMA, "meta": meta, "records": records, "plots": pngs,
+            "json": json_path}

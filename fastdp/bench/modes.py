@@ -1,0 +1,225 @@
+"""The modes compared side by side, the training step they run, and the correctness check.
+
+Modes (``MODES``):
+  ``bare``          the module itself on the whole batch: the limit no wrapper can beat.
+  ``torch_dp``      ``torch.nn.DataParallel`` (where it can run; without CUDA it is a pass-through).
+  ``fastdp``        ``fastdp.FastDataParallel``.
+  ``fastdp_noext``  the same with the C++ extension disabled (``fastdp._backend.use_extension``).
+  ``dp_algo``       DataParallel's algorithm in fastdp's pipeline: a ``FastDataParallel`` whose
+                    ``replicate`` seam builds fresh replicas every step with
+                    ``fastdp.replicate.replicate`` (torch's replicate ported to every device type).
+A step is forward, loss (mean of squares of every output) and backward; gradients accumulate (no
+``zero_grad``, no optimizer step), so a step times the wrapper plus the model and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from fastdp.bench.workloads import loss_of, map_tensors, tensors_of
+
+MODES = ("bare", "torch_dp", "fastdp", "fastdp_noext", "dp_algo")
+WRAPPERS = ("torch_dp", "fastdp", "fastdp_noext", "dp_algo")
+
+
+_MODULE_METHODS = ("__setattr__", "__delattr__", "__getattr__", "add_module", "register_module",
+                   "register_parameter", "register_buffer", "_apply")
+
+
+@contextlib.contextmanager
+def plain_module_methods() -> Iterator[None]:
+    """``nn.Module``'s own methods for the duration: undoes, temporarily, any process-wide wrapper
+    that fastdp installed on them (its mutation watcher), so that DataParallel's algorithm is
+    measured as it runs without fastdp in the process. A no-op when nothing is wrapped."""
+    saved = {}
+    for name in _MODULE_METHODS:
+        f = nn.Module.__dict__.get(name)
+        orig = getattr(f, "__wrapped__", None)
+        if orig is not None and getattr(f, "__module__", "").startswith("fastdp"):
+            saved[name] = f
+            setattr(nn.Module, name, orig)
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(nn.Module, name, f)
+
+
+def fresh_replicate(module: nn.Module, devices: Sequence, detach: bool = False) -> list:
+    """DataParallel's algorithm: ``fastdp.replicate.replicate`` with plain ``nn.Module`` methods."""
+    from fastdp.replicate import replicate
+
+    with plain_module_methods():
+        return replicate(module, devices, detach)
+
+
+@functools.cache
+def torch_dp_class() -> type:
+    """``nn.DataParallel``, its ``replicate`` run with plain ``nn.Module`` methods."""
+
+    class TorchDataParallel(nn.DataParallel):
+        def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 (torch's seam)
+            with plain_module_methods():
+                return super().replicate(module, device_ids)
+
+    return TorchDataParallel
+
+
+@functools.cache
+def dp_algorithm_class() -> type:
+    """``FastDataParallel`` with DataParallel's replicate: fresh replicas every call."""
+    import fastdp
+
+    class DPAlgorithm(fastdp.FastDataParallel):
+        def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 (torch's seam)
+            return fresh_replicate(module, device_ids, not torch.is_grad_enabled())
+
+    DPAlgorithm.__qualname__ = DPAlgorithm.__name__ = "DPAlgorithm"
+    return DPAlgorithm
+
+
+@contextlib.contextmanager
+def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[Callable]:
+    """Yields the callable of ``mode`` around ``model``; the wrapper is dropped on exit.
+
+    ``devices=None`` constructs the wrapper without ``device_ids`` (its default devices). Run
+    everything that uses it (forward *and* backward) under ``mode_context(mode)``.
+    """
+    kw = {} if devices is None else {"device_ids": list(devices)}
+    if mode == "bare":
+        obj = model
+    elif mode == "torch_dp":
+        obj = torch_dp_class()(model, **kw)
+    elif mode in ("fastdp", "fastdp_noext"):
+        import fastdp
+
+        obj = fastdp.FastDataParallel(model, **kw)
+    elif mode == "dp_algo":
+        obj = dp_algorithm_class()(model, **kw)
+    else:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    try:
+        yield obj
+    finally:
+        del obj
+
+
+def mode_context(mode: str) -> contextlib.AbstractContextManager:
+    """``fastdp_noext``: the extension disabled (``fastdp._backend.use_extension(False)``)."""
+    if mode != "fastdp_noext":
+        return contextlib.nullcontext()
+    from fastdp import _backend
+
+    return _backend.use_extension(False)
+
+
+def in_mode(mode: str, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` run under ``mode_context(mode)`` on every call (backward included), so that
+    interleaved timing of several modes gives each its own backend setting."""
+    if mode != "fastdp_noext":
+        return fn
+    from fastdp import _backend
+
+    def step() -> None:
+        prev = _backend.set_enabled(False)
+        try:
+            fn()
+        finally:
+            _backend.set_enabled(prev)
+
+    return step
+
+
+def train_step(call: Callable, args: tuple) -> Callable[[], None]:
+    def step() -> None:
+        loss_of(call(*args)).backward()
+
+    return step
+
+
+def forward_step(call: Callable, args: tuple) -> Callable[[], None]:
+    def step() -> None:
+        with torch.no_grad():
+            call(*args)
+
+    return step
+
+
+def chunk_inputs(args: tuple, n: int, dim: int = 0) -> list[tuple]:
+    """DataParallel's split of ``args`` into at most ``n`` chunks (``torch.chunk`` per tensor)."""
+    leaves = tensors_of(args)
+    if not leaves or n <= 1:
+        return [args]
+    k = len(leaves[0].chunk(n, dim))
+    return [map_tensors(args, lambda t, i=i: t.chunk(n, dim)[i]) for i in range(k)]
+
+
+def concat_outputs(outs: list, dim: int = 0):  # noqa: ANN201
+    """Concatenates per-chunk outputs the way DataParallel gathers them (same nesting)."""
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs, dim) if len(outs) > 1 else first
+    if isinstance(first, (tuple, list)):
+        return type(first)(concat_outputs(list(x), dim) for x in zip(*outs))
+    if isinstance(first, dict):
+        return {k: concat_outputs([o[k] for o in outs], dim) for k in first}
+    return first
+
+
+def chunked_reference(model: nn.Module, args: tuple, n: int, device: torch.device | str):
+    """The bare module on each of DataParallel's chunks in turn, outputs concatenated: the same
+    outputs and gradients DataParallel semantics promise, BatchNorm's per-replica batch
+    statistics included (for models without batch statistics it equals the whole batch)."""
+    args = map_tensors(args, lambda t: t.to(device))
+    return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [
+        (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for p in model.parameters()
+    ]
+
+
+def _max_rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    worst = 0.0
+    for a, b in zip(got, ref):
+        b = b.detach().float()
+        a = a.detach().to(b.device).float()
+        if a.shape != b.shape:
+            return float("inf")
+        if a.numel() == 0:
+            continue
+        err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+        worst = max(worst, err)
+    return worst
+
+
+def check(model: nn.Module, call: Callable, args: tuple, n: int, device: torch.device | str,
+          rtol: float) -> dict:
+    """Compares outputs and gradients of ``call`` with ``chunked_reference`` (max over tensors of
+    max|got - ref| / max|ref|, which must stay <= ``rtol``). Leaves the gradients at None."""
+    model.zero_grad(set_to_none=True)
+    ref_out = chunked_reference(model, args, n, device)
+    loss_of(ref_out).backward()
+    ref_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    out = call(*args)
+    loss_of(out).backward()
+    grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    got_t, ref_t = tensors_of(out), tensors_of(ref_out)
+    if len(got_t) != len(ref_t):
+        return {"ok": False, "why": f"{len(got_t)} output tensors, expected {len(ref_t)}"}
+    out_err = _max_rel_err(got_t, ref_t)
+    grad_err = _max_rel_err(grads, ref_grads)
+    ok = out_err <= rtol and grad_err <= rtol
+    res = {"ok": ok, "out_rel_err": out_err, "grad_rel_err": grad_err, "rtol": rtol}
+    if not ok:
+        res["why"] = f"outputs rel err {out_err:.3g}, grads rel err {grad_err:.3g} > {rtol:g}"
+    return res

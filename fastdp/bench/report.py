@@ -1,0 +1,296 @@
+"""Ratios within the run, the headline figures, the stdout table, and the JSON file.
+
+Every ratio is computed from medians measured in the same run; nothing is hard-coded. A ratio
+below 1 means faster (``x bare`` = time / bare module's time on the whole batch, ``x dp_algo`` =
+time / DataParallel's algorithm's time on the same devices).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+
+STEP_SUITES = ("passthrough", "cpu-replicas", "gpu-steps", "multigpu-steps")
+SCHEMA = "fastdp-bench/1"
+
+
+def med(r: dict) -> float | None:
+    return (r.get("time_ms") or {}).get("median_ms")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def add_ratios(records: list[dict]) -> None:
+    """Adds ``ratios`` to every timed record (in place)."""
+    by_cfg: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        suite = r.get("suite", "")
+        if suite in STEP_SUITES:  # one task: one workload, input, step and replica count
+            key = (suite, r.get("workload"), r.get("input"), r.get("step"), r.get("replicas"))
+        elif "replicate" in suite or suite.startswith("overhead"):
+            key = (suite, r.get("workload"), r.get("replicas"))
+        elif r.get("kind") in ("scatter", "gather", "broadcast"):
+            key = (suite, r["op"], r["bytes"])
+        else:
+            continue
+        by_cfg[key][r.get("mode")] = r
+    for group in by_cfg.values():
+        b = group.get("bare")
+        for mode, r in group.items():
+            if med(r) is None:
+                continue
+            rat = {"vs_bare": _ratio(med(r), med(b)) if b and mode != "bare" else None,
+                   "vs_dp_algo": _ratio(med(r), med(group.get("dp_algo", {})))
+                   if mode not in ("dp_algo", "bare") else None,
+                   "vs_torch_dp": _ratio(med(r), med(group.get("torch_dp", {})))
+                   if mode != "torch_dp" else None,
+                   "vs_torch": _ratio(med(r), med(group.get("torch", {})))
+                   if mode != "torch" else None}
+            if "overhead_ms" in r and "overhead_ms" in group.get("dp_algo", {}) and \
+                    mode != "dp_algo":
+                rat["overhead_vs_dp_algo"] = _ratio(r["overhead_ms"],
+                                                    group["dp_algo"]["overhead_ms"])
+            if "wrapper_calls_per_step" in r and mode != "dp_algo":
+                rat["wrapper_calls_vs_dp_algo"] = _ratio(
+                    r["wrapper_calls_per_step"],
+                    group.get("dp_algo", {}).get("wrapper_calls_per_step"))
+            r["ratios"] = {k: v for k, v in rat.items() if v is not None}
+
+
+def headline(records: list[dict]) -> dict:
+    """The figures a reader looks for first, each copied from a record of this run."""
+    out: dict = {}
+    rep = {(r["layers"], r["mode"]): r for r in records
+           if r.get("suite") == "replicate" and med(r) is not None}
+    rows = []
+    for layers in sorted({k[0] for k in rep}):
+        f, d = rep.get((layers, "fastdp")), rep.get((layers, "dp_algo"))
+        if f and d:
+            rows.append({"layers": layers, "replicas": f["replicas"], "fastdp_ms": med(f),
+                         "dp_algo_ms": med(d), "ratio": med(f) / med(d)})
+    if rows:
+        out["replicate_cpu"] = rows
+    ov = [{"workload": r["workload"], "mode": r["mode"], "params": r.get("params"),
+           "overhead_ms": r.get("overhead_ms"),
+           "wrapper_calls_per_step": r.get("wrapper_calls_per_step"),
+           "step_ms": med(r)} for r in records
+          if r.get("suite", "").startswith("overhead") and r.get("mode") != "model_chunks"
+          and med(r) is not None]
+    if ov:
+        out["overhead"] = ov
+    steps = [{"suite": r["suite"], "workload": r["workload"], "input": r["input"],
+              "replicas": r["replicas"], "mode": r["mode"], "step_ms": med(r),
+              **r.get("ratios", {})} for r in records
+             if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp"
+             and med(r) is not None]
+    if steps:
+        out["steps_fastdp"] = steps
+    bad = [f"{r.get('suite')}/{r.get('workload', r.get('op'))}/{r.get('mode')}"
+           f"/{r.get('replicas')}: {r.get('status')}" for r in records
+           if r.get("status") not in ("ok", "unsupported")]
+    out["not_ok"] = bad
+    return out
+
+
+def _fmt(v: object, nd: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isinf(v) or math.isnan(v):
+            return str(v)
+        a = abs(v)
+        return f"{v:.{nd}g}" if a < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def _table(title: str, headers: list[str], rows: list[list]) -> str:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    w = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+         for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w[i]) for i, h in enumerate(headers))
+    body = ["  ".join(c.rjust(w[i]) if i >= 1 and _num(c) else c.ljust(w[i])
+                      for i, c in enumerate(r)) for r in cells]
+    return "\n".join([f"== {title}", line, "-" * len(line), *body, ""])
+
+
+def _num(c: str) -> bool:
+    return c.replace(".", "").replace(",", "").replace("-", "").replace("e", "").replace(
+        "+", "").isdigit() or c == "-"
+
+
+def _status(r: dict) -> str:
+    s = r.get("status", "ok")
+    return {"check_failed": "CHECK FAILED", "ok": "ok"}.get(s, s)
+
+
+def _t(r: dict, k: str) -> float | None:
+    return (r.get("time_ms") or {}).get(k)
+
+
+def _rat(r: dict, k: str) -> float | None:
+    return (r.get("ratios") or {}).get(k)
+
+
+_SECTIONS = {
+    "passthrough": ("Pass-through (no GPU: FastDataParallel(m) calls the module), ms per call",
+                    ["workload", "step", "mode", "status", "median", "min", "max", "+us", "x bare"],
+                    lambda r: [r.get("workload"), r.get("step"), r["mode"], _status(r),
+                               _t(r, "median_ms"), _t(r, "min_ms"), _t(r, "max_ms"),
+                               r.get("overhead_us"), _rat(r, "vs_bare")]),
+    "steps": ("Training step (forward + backward), ms",
+              ["workload", "input", "devices", "mode", "status", "median", "min", "max",
+               "x bare", "x dp_algo", "x torch_dp"],
+              lambda r: [r.get("workload"), r.get("input"), _devs(r), r["mode"], _status(r),
+                         _t(r, "median_ms"), _t(r, "min_ms"), _t(r, "max_ms"),
+                         _rat(r, "vs_bare"), _rat(r, "vs_dp_algo"), _rat(r, "vs_torch_dp")]),
+    "overhead": ("Host overhead and Python calls per step (4 replicas, 2 samples each); "
+                 "overhead = step - model_chunks",
+                 ["workload", "params", "mode", "status", "step ms", "overhead ms",
+                  "calls/step", "in model", "wrapper calls", "in fastdp", "x dp_algo (ovh)"],
+                 lambda r: [r.get("workload"), r.get("params"), r["mode"], _status(r),
+                            _t(r, "median_ms"), r.get("overhead_ms"), r.get("calls_per_step"),
+                            (r.get("calls") or {}).get("model"),
+                            r.get("wrapper_calls_per_step"),
+                            (r.get("calls_in") or {}).get("fastdp"),
+                            _rat(r, "overhead_vs_dp_algo")]),
+    "replicate": ("Steady-state replicate() of Linear(32,32) x layers, ms per call",
+                  ["layers", "replicas", "mode", "status", "median", "min", "max", "x dp_algo",
+                   "x torch"],
+                  lambda r: [r.get("layers") if "mlp" in r.get("workload", "") else r.get(
+                      "workload"), r.get("replicas"), r["mode"], _status(r), _t(r, "median_ms"),
+                      _t(r, "min_ms"), _t(r, "max_ms"), _rat(r, "vs_dp_algo"),
+                      _rat(r, "vs_torch")]),
+    "replicate_gpu": ("replicate() and the parameter broadcast alone, ms per call",
+                      ["workload", "params", "MiB", "devices", "mode", "status", "median", "min",
+                       "max", "x dp_algo", "x torch"],
+                      lambda r: [r.get("workload"), r.get("params"),
+                                 (r.get("param_bytes") or 0) / 2**20, _devs(r), r["mode"],
+                                 _status(r), _t(r, "median_ms"), _t(r, "min_ms"),
+                                 _t(r, "max_ms"), _rat(r, "vs_dp_algo"), _rat(r, "vs_torch")]),
+    "comm": ("Collectives: effective GB/s = bytes / time; x limit = GB/s / plain copy GB/s",
+             ["op", "bytes", "impl", "status", "median ms", "GB/s", "x limit", "x torch"],
+             lambda r: [r.get("op"), _bytes(r.get("bytes")), r["mode"], _status(r),
+                        _t(r, "median_ms"), r.get("gbps"), r.get("frac_of_limit"),
+                        _rat(r, "vs_torch")]),
+}
+
+
+def _section(suite: str) -> str:
+    if suite in STEP_SUITES[1:]:
+        return "steps"
+    if suite == "replicate":
+        return "replicate"
+    for k, name in (("overhead", "overhead"), ("replicate", "replicate_gpu"), ("comm", "comm")):
+        if k in suite:
+            return name
+    return suite
+
+
+def _devs(r: dict) -> str:
+    d = r.get("devices")
+    if not d:
+        return "-"
+    return f"{d[0]} x{len(d)}" if len(set(d)) == 1 else ",".join(x.split(":")[-1] for x in d)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def format_tables(records: list[dict]) -> str:
+    order: list[str] = []
+    for r in records:
+        if r.get("suite") and r["suite"] not in order:
+            order.append(r["suite"])
+    parts = [] if records else ["(nothing was measured: no requested suite can run here)"]
+    for suite in order:
+        title, headers, row = _SECTIONS.get(_section(suite), _SECTIONS["steps"])
+        rows = [row(r) for r in records
+                if r.get("suite") == suite and r.get("status") != "unsupported"]
+        parts.append(_table(f"{suite}: {title}", headers, rows))
+    errs = [r for r in records if r.get("error") and r.get("status") != "unsupported"]
+    if errs:
+        parts.append("== Errors and failed checks")
+        parts += [f"  {r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} "
+                  f"{_devs(r)}: {r.get('error')}" for r in errs]
+    fails = [r for r in records if r.get("status") == "check_failed"]
+    parts += [f"  CHECK FAILED {r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} "
+              f"{_devs(r)}: {(r.get('check') or {}).get('why', r.get('check'))}" for r in fails]
+    unsup = {r.get("error") for r in records if r.get("status") == "unsupported"}
+    parts += [f"note: {u}" for u in unsup]
+    return "\n".join(parts)
+
+
+def header(meta: dict) -> str:
+    fd = meta["fastdp"]
+    return (f"fastdp.bench  {meta['date']}  torch {meta['torch']}  cuda {meta['cuda']}  "
+            f"fastdp {fd['version']} ({(fd['commit'] or '?')[:10]}"
+            f"{'+dirty' if fd.get('dirty') else ''})\n"
+            f"machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
+            f"{meta['machine']['torch_threads']} torch thread(s), "
+            f"GPUs: {', '.join(meta['machine']['gpu']['names']) or 'none'}\n")
+
+
+def write_json(path: str, meta: dict, records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc = {"schema": SCHEMA, "meta": meta, "headline": headline(records), "records": records}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+
+
+def _load(meta: dict) -> str:
+    la = meta.get("load_average") or {}
+    if la.get("start") is None:
+        return "unknown"
+    return f"{la['start']:.1f} at start, {la['end']:.1f} at end"
+
+
+def headline_markdown(doc: dict) -> str:
+    """The headline figures of a results file as Markdown tables (for bench/README.md)."""
+    meta, head = doc["meta"], doc["headline"]
+    gpu = meta["machine"]["gpu"]
+    lines = [f"Measured {meta['date']} on {meta['machine']['cpu']} ({meta['machine']['cores']} "
+             f"cores{', GPUs: ' + ', '.join(gpu['names']) if gpu['names'] else ', no GPU'}), "
+             f"torch {meta['torch']}, fastdp {meta['fastdp']['version']} at commit "
+             f"`{(meta['fastdp']['commit'] or '?')[:10]}`"
+             f"{' (uncommitted changes)' if meta['fastdp'].get('dirty') else ''}, "
+             f"command `{meta['command']}`, {meta['machine']['torch_threads']} torch thread(s), "
+             f"1-min load average {_load(meta)}.", ""]
+    if head.get("replicate_cpu"):
+        lines += ["| layers | replicas | fastdp replicate (ms) | DataParallel's algorithm (ms) "
+                  "| ratio |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['layers']} | {r['replicas']} | {r['fastdp_ms']:.3g} | "
+                  f"{r['dp_algo_ms']:.3g} | {r['ratio']:.3f} |" for r in head["replicate_cpu"]]
+        lines.append("")
+    if head.get("overhead"):
+        lines += ["| workload | parameter tensors | mode | step (ms) | host overhead (ms) | "
+                  "wrapper Python calls per step |", "|---|---:|---|---:|---:|---:|"]
+        lines += [f"| {r['workload']} | {r['params']} | {r['mode']} | {_fmt(r['step_ms'])} | "
+                  f"{_fmt(r['overhead_ms'])} | {_fmt(r['wrapper_calls_per_step'])} |"
+                  for r in head["overhead"]]
+        lines.append("")
+    if head.get("steps_fastdp"):
+        lines += ["| suite | workload | input | replicas | fastdp step (ms) | x bare | x dp_algo "
+                  "| x nn.DataParallel |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['suite']} | {r['workload']} | {r['input']} | {r['replicas']} | "
+                  f"{_fmt(r['step_ms'])} | {_fmt(r.get('vs_bare'))} | "
+                  f"{_fmt(r.get('vs_dp_algo'))} | {_fmt(r.get('vs_torch_dp'))} |"
+                  for r in head["steps_fastdp"]]
+        lines.append("")
+    if head.get("not_ok"):
+        lines += ["Not ok in this run: " + "; ".join(head["not_ok"]), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m fastdp.bench.report RESULTS.json: Markdown headline
+    import sys
+
+    with open(sys.argv[1]) as f:
+        print(headline_markdown(json.load(f)))

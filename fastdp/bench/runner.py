@@ -1,0 +1,185 @@
+"""Tasks, run settings, and the one place where a configuration is checked, timed and recorded.
+
+A suite plans a list of ``Task``s (so the progress bar knows the total); each task returns records
+(plain dicts that go to the JSON as they are). Failures never stop the run: an out-of-memory error
+is recorded as ``status: "oom"``, any other exception as ``status: "error"`` with its message, and a
+failed correctness check as ``status: "check_failed"`` (the configuration is still timed, and the
+table flags it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fastdp.bench import modes, timing
+from fastdp.bench.workloads import Workload
+
+
+@dataclass
+class Settings:
+    """How hard to measure. ``profile`` picks workload sizes (see ``workloads.PROFILES``)."""
+
+    profile: str = "cpu"
+    repeats: int = 10
+    warmup: int = 1
+    min_repeat_s: float = 0.02
+    max_total_s: float = 3.0
+    replicas: tuple[int, ...] = (1, 2, 4)
+    rtol_cpu: float = 1e-4
+    rtol_cuda: float = 2e-3  # cuDNN picks per-shape algorithms (TF32 convolutions by default)
+    check: bool = True
+
+    def measure(self, fn: Callable[[], object],
+                sync: Callable[[], None] | None = None) -> timing.Stats:
+        return self.measure_many({"_": fn}, sync)["_"]
+
+    def measure_many(self, fns: dict[str, Callable[[], object]],
+                     sync: Callable[[], None] | None = None) -> dict[str, timing.Stats]:
+        return timing.measure_many(fns, warmup=self.warmup, repeats=self.repeats,
+                                   min_repeat_s=self.min_repeat_s,
+                                   max_total_s=self.max_total_s, sync=sync)
+
+
+@dataclass
+class Task:
+    suite: str
+    label: str
+    fn: Callable[[], list[dict]]
+    records: list[dict] = field(default_factory=list)
+
+
+def _oom_types() -> tuple[type, ...]:
+    found = (getattr(torch, "OutOfMemoryError", None),
+             getattr(torch.cuda, "OutOfMemoryError", None))
+    return tuple(t for t in found if t is not None)
+
+
+def short_error(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def guarded(record: dict, body: Callable[[dict], None]) -> dict:
+    """Runs ``body(record)``, turning OOM and exceptions into the record's status."""
+    record.setdefault("status", "ok")
+    try:
+        body(record)
+    except _oom_types() as e:
+        record.update(status="oom", error=short_error(e))
+        _release()
+    except Exception as e:  # recorded and shown in the table, never hidden
+        if "out of memory" in str(e).lower():
+            record.update(status="oom", error=short_error(e))
+            _release()
+        else:
+            record.update(status="error", error=short_error(e),
+                          traceback=traceback.format_exc(limit=-4))
+    return record
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def time_into(s: Settings, fns: dict, recs: dict, sync: Callable[[], None] | None = None) -> None:
+    """Times ``fns`` interleaved into ``recs[key]["time_ms"]`` (same keys); a failure (OOM, error)
+    is recorded in every record that was being timed."""
+    if not fns:
+        return
+
+    def body(_: dict) -> None:
+        for key, st in s.measure_many(fns, sync).items():
+            recs[key]["time_ms"] = st.as_dict()
+
+    failed = guarded({}, body)
+    if failed.get("status", "ok") != "ok":
+        for key in fns:
+            recs[key].update(status=failed["status"], error=failed.get("error"))
+
+
+def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str],
+               model: nn.Module, args: tuple, devices: Sequence | None, n: int,
+               ref_device: torch.device | str, input_kind: str | None = None,
+               step: str = "train", sync: Callable[[], None] | None = None,
+               extra: dict | None = None, bare_model: nn.Module | None = None) -> list[dict]:
+    """Checks each wrapper, then times every mode of ``mode_list`` interleaved; one record each.
+
+    ``bare`` runs ``bare_model`` (default ``model``) on the whole batch and is not checked; the
+    wrappers run on ``devices``. A mode that fails its set-up or first step is recorded and left
+    out of the timing; the others are still timed.
+    """
+    base = {"suite": suite, "workload": w.name, "input": input_kind or w.input_kind,
+            "replicas": n, "step": step, "batch": w.batch, "layers": w.layers, **(extra or {})}
+    names = None if devices is None else [f"cuda:{d}" if isinstance(d, int) else str(d)
+                                          for d in devices]
+    recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names}
+            for m in mode_list}
+    make = modes.train_step if step == "train" else modes.forward_step
+    steps: dict[str, Callable[[], None]] = {}
+    with contextlib.ExitStack() as stack:
+        for m in mode_list:
+            def setup(r: dict, m: str = m) -> None:
+                target = (bare_model or model) if m == "bare" else model
+                call = stack.enter_context(modes.wrapped(m, target, None if m == "bare"
+                                                         else devices))
+                if m != "bare" and s.check:
+                    rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
+                    with modes.mode_context(m):
+                        r["check"] = modes.check(model, call, args, n, ref_device, rtol)
+                    if not r["check"]["ok"]:
+                        r["status"] = "check_failed"
+                fn = modes.in_mode(m, make(call, args))
+                if "check" not in r:
+                    fn()  # a mode that cannot run fails here, inside its own record
+                steps[m] = fn
+
+            guarded(recs[m], setup)
+        model.zero_grad(set_to_none=True)
+        time_into(s, steps, recs, sync)
+        model.zero_grad(set_to_none=True)
+    return list(recs.values())
+
+
+def run_tasks(tasks: list[Task], progress: bool = True) -> list[dict]:
+    """Runs every task under a tqdm bar on stderr (no bar when tqdm is missing)."""
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            tqdm.monitor_interval = 0  # no monitor thread: it would show up in call counts
+            bar = tqdm(total=len(tasks), unit="cfg", dynamic_ncols=True, leave=False)
+        except ImportError:
+            import sys
+
+            print("fastdp.bench: tqdm is not installed; no progress bar.", file=sys.stderr)
+    out: list[dict] = []
+    for t in tasks:
+        if bar is not None:
+            bar.set_description(f"{t.suite}: {t.label}"[:60])
+        t0 = time.perf_counter()
+        try:
+            t.records = t.fn()
+        except Exception as e:  # a planning bug in one task must not lose the others
+            t.records = [{"suite": t.suite, "label": t.label, "status": "error",
+                          "error": short_error(e), "traceback": traceback.format_exc(limit=-4)}]
+        for r in t.records:
+            r["task"], r["task_s"] = t.label, round(time.perf_counter() - t0, 3)
+        out.extend(t.records)
+        t.fn = None  # drop the task's models and wrappers before the next one
+        _release()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return out

@@ -1,0 +1,277 @@
+"""CPU suites: pass-through overhead, CPU replicas, host overhead and calls per step, replicate().
+
+``passthrough``   ``FastDataParallel(m)`` without any GPU (``device_ids == []``: it just calls the
+                  module) against the bare module and ``nn.DataParallel(m)`` (also a pass-through).
+``cpu-replicas``  training steps on ``device_ids=['cpu'] * n``, n = 1, 2, 4: fastdp, fastdp without
+                  its extension and DataParallel's algorithm, against the bare module on the batch.
+``overhead``      issue 4 point 7: per step (forward + backward, two samples per replica on 4
+                  replicas) the host time and the Python calls of the wrapper, i.e. the step minus
+                  the model's own work (the bare module run on the same 4 chunks in turn).
+``replicate``     steady-state ``replicate()`` of an n-layer ``nn.Sequential`` of ``Linear(32, 32)``
+                  on 4 CPU replicas: ``FastDataParallel.replicate`` vs DataParallel's algorithm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+import fastdp.bench.workloads as wl
+from fastdp.bench import modes, timing
+from fastdp.bench.runner import Settings, Task, guarded, time_into, time_modes
+
+# What each profile runs (the workloads' sizes come from workloads.catalogue(profile)).
+_OVERHEAD = ["mlp10", "mlp100", "mlp1000", "resnet50", "transformer12"]
+PLAN = {
+    "tiny": {"passthrough": ["mlp10"], "cpu-replicas": ["mlp10", "mlp10-dict16"],
+             "overhead": ["mlp10", "mlp100"], "replicate": [10, 100]},
+    "quick": {"passthrough": ["mlp10"],
+              "cpu-replicas": ["mlp100", "resnet50", "transformer12", "lstm", "mlp10-dict16"],
+              "overhead": ["mlp10", "mlp100", "resnet50", "transformer12"],
+              "replicate": [10, 100, 1000]},
+    "cpu": {"passthrough": ["mlp10", "mlp100"],
+            "cpu-replicas": ["mlp1000", "resnet50", "transformer12", "lstm", "mlp10-dict16"],
+            "overhead": _OVERHEAD, "replicate": [10, 30, 100, 300, 1000]},
+}
+
+
+def plan(profile: str, suite: str) -> list:
+    return PLAN.get(profile, PLAN["cpu"])[suite]
+
+
+_TORCH_DP_CPU = ("nn.DataParallel has no CPU replicas: without CUDA it ignores device_ids and "
+                 "calls the module directly")
+
+
+def passthrough(s: Settings) -> list[Task]:
+    if torch.cuda.is_available():  # FastDataParallel(m) would take every GPU: not a pass-through
+        return []
+    cat = wl.catalogue(s.profile)
+    names = plan(s.profile, "passthrough")
+
+    def run(w: wl.Workload, step: str) -> list[dict]:
+        model, args = wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
+        recs = time_modes(s, suite="passthrough", w=w, model=model, args=args, devices=None,
+                          n=1, ref_device="cpu", step=step,
+                          mode_list=("bare", "torch_dp", "fastdp", "fastdp_noext"))
+        bare = recs[0].get("time_ms", {}).get("median_ms")
+        for r in recs[1:]:
+            if bare is not None and "time_ms" in r:
+                r["overhead_us"] = (r["time_ms"]["median_ms"] - bare) * 1e3
+        return recs
+
+    return [Task("passthrough", f"{n} {step}", lambda w=cat[n], st=step: run(w, st))
+            for n in names for step in ("forward", "train")]
+
+
+def cpu_replicas(s: Settings) -> list[Task]:
+    """Per workload and replica count: bare, fastdp, fastdp_noext, dp_algo timed interleaved."""
+    cat = wl.catalogue(s.profile)
+    cache: dict[str, tuple] = {}
+
+    def run(w: wl.Workload, n: int) -> list[dict]:
+        if w.name not in cache:
+            cache.clear()  # one workload alive at a time
+            cache[w.name] = (wl.build(w, "cpu"), wl.make_inputs(w, "cpu"))
+        model, args = cache[w.name]
+        recs = time_modes(s, suite="cpu-replicas", w=w, model=model, args=args,
+                          devices=["cpu"] * n, n=n, ref_device="cpu",
+                          mode_list=("bare", "fastdp", "fastdp_noext", "dp_algo"))
+        recs.append({"suite": "cpu-replicas", "workload": w.name, "input": w.input_kind,
+                     "mode": "torch_dp", "replicas": n, "devices": ["cpu"] * n,
+                     "step": "train", "status": "unsupported", "error": _TORCH_DP_CPU})
+        return recs
+
+    return [Task("cpu-replicas", f"{name} x{n}", lambda w=cat[name], n=n: run(w, n))
+            for name in plan(s.profile, "cpu-replicas") for n in s.replicas]
+
+
+def _areas() -> dict[str, str]:
+    import fastdp
+
+    fdp = os.path.dirname(os.path.abspath(fastdp.__file__))
+    par = os.path.dirname(os.path.abspath(torch.nn.parallel.__file__))
+    return {"fastdp": fdp + os.sep, "torch.nn.parallel": par + os.sep,
+            "_exclude": os.path.join(fdp, "bench") + os.sep}
+
+
+def overhead_tasks(s: Settings, device: str = "cpu", n: int = 4,
+                   per_replica: int = 2) -> list[Task]:
+    """Host time and Python calls per step of the wrapper itself; see the module docstring.
+
+    The batch is ``per_replica`` samples per replica (2: BatchNorm needs more than one value per
+    channel in training mode), so the model's own work is small and the wrapper's cost shows.
+
+    Method: a profile hook counts Python calls in every thread Python starts (two steps, after
+    two uncounted warm-up steps; see ``timing.CallCounter``). Calls made while one of the model's
+    ``forward`` methods is running in that thread (on the original or on a replica) are the
+    model's; the others are *outside* calls. The wrapper's calls are ``outside(wrapper step) -
+    outside(model step)``, the model step being the bare module on the same n chunks in turn, one
+    concatenation, the same loss and backward (so the loss, the top-level module calls and the
+    backward call cancel out). Counting by forward extent rather than subtracting totals matters:
+    replicas whose parameters are plain attributes skip ``Module.__getattr__``, so a replica's
+    forward makes fewer Python calls than the original's. ``calls_in`` reports the outside calls
+    whose code lives in the fastdp package (bench excluded) and in ``torch/nn/parallel``; the most
+    called outside functions are in ``top_functions``. Times: the wrappers and the model step are
+    timed interleaved with fresh wrappers (the hook is off by then).
+    """
+    cat = wl.catalogue(s.profile)
+    names = plan(s.profile, "overhead")
+    cuda = device == "cuda"
+    dev = "cuda:0" if cuda else "cpu"
+    ids = 0 if cuda else "cpu"
+    runs = [("fastdp", n), ("dp_algo", n)] + ([("torch_dp", n), ("torch_dp", 1)] if cuda else [])
+    suite = "overhead-cuda" if cuda else "overhead"
+    sync = timing.cuda_sync([dev]) if cuda else None
+
+    def run(w: wl.Workload) -> list[dict]:
+        model = wl.build(w, dev)
+        args = wl.make_inputs(w, dev, batch=n * per_replica)
+        base = {"suite": suite, "workload": w.name, "input": w.input_kind,
+                "batch": n * per_replica,
+                "layers": w.layers, "params": sum(1 for _ in model.parameters()),
+                "modules": sum(1 for _ in model.modules())}
+        refs = {k: _model_step(model, args, k) for k in sorted({k for _, k in runs})}
+        recs = {("model_chunks", k): {**base, "mode": "model_chunks", "replicas": k,
+                                      "devices": [dev] * k} for k in refs}
+        recs.update({(m, k): {**base, "mode": m, "replicas": k, "devices": [dev] * k}
+                     for m, k in runs})
+        for k, fn in refs.items():
+            guarded(recs[("model_chunks", k)],
+                    lambda r, fn=fn: _count(r, fn, timing.forward_codes(model)))
+        model.zero_grad(set_to_none=True)
+        for m, k in runs:
+            guarded(recs[(m, k)], lambda r, m=m, k=k: _count_wrapper(
+                r, s, m, model, args, [ids] * k, dev))
+        model.zero_grad(set_to_none=True)
+        _time_together(s, recs, refs, model, args, ids, sync)
+        for (m, k), r in recs.items():
+            ref = recs[("model_chunks", k)]
+            if m != "model_chunks" and "time_ms" in r and "time_ms" in ref:
+                r["overhead_ms"] = r["time_ms"]["median_ms"] - ref["time_ms"]["median_ms"]
+            if m != "model_chunks" and "calls" in r and "calls" in ref:
+                r["wrapper_calls_per_step"] = r["calls"]["outside"] - ref["calls"]["outside"]
+        return list(recs.values())
+
+    return [Task(suite, name, lambda w=cat[name]: run(w)) for name in names]
+
+
+def _model_step(model, args: tuple, k: int):  # noqa: ANN001, ANN202
+    chunks = modes.chunk_inputs(args, k)
+
+    def model_step() -> None:
+        wl.loss_of(modes.concat_outputs([model(*c) for c in chunks])).backward()
+
+    return model_step
+
+
+COUNT_WARMUP, COUNT_STEPS = 2, 2  # counts barely vary (thread synchronisation can add a few)
+
+
+def _count(r: dict, step, codes: set) -> None:  # noqa: ANN001
+    with timing.CallCounter(_areas(), codes) as cc:
+        for _ in range(COUNT_WARMUP):
+            step()
+        _record_counts(r, cc, step)
+
+
+def _record_counts(r: dict, cc: timing.CallCounter, step) -> None:  # noqa: ANN001
+    r["calls"] = cc.counted(step, steps=COUNT_STEPS)
+    r["calls_per_step"] = r["calls"]["total"]
+    r["calls_in"] = cc.area_counts()
+    r["top_functions"] = cc.top()
+
+
+def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices: list,  # noqa: ANN001
+                   dev: str) -> None:
+    """Checks, then counts a wrapper's step. The counter is entered before the wrapper exists so
+    that any thread the wrapper starts carries the hook."""
+    codes = timing.forward_codes(model)
+    with timing.CallCounter(_areas(), codes) as cc, modes.wrapped(mode, model, devices) as call:
+        if s.check:
+            with modes.mode_context(mode):
+                r["check"] = modes.check(model, call, args, len(devices), dev,
+                                         s.rtol_cuda if "cuda" in dev else s.rtol_cpu)
+            if not r["check"]["ok"]:
+                r["status"] = "check_failed"
+        step = modes.in_mode(mode, modes.train_step(call, args))
+        for _ in range(COUNT_WARMUP):
+            step()
+        _record_counts(r, cc, step)
+    model.zero_grad(set_to_none=True)
+
+
+def _time_together(s: Settings, recs: dict, refs: dict, model, args, ids, sync) -> None:  # noqa: ANN001
+    """Times every run that counted without error, interleaved, with fresh wrappers."""
+    fns = {("model_chunks", k): fn for k, fn in refs.items()
+           if recs[("model_chunks", k)].get("status") == "ok"}
+    with contextlib.ExitStack() as stack:
+        for (m, k), r in recs.items():
+            if m != "model_chunks" and r.get("status") in ("ok", "check_failed"):
+                call = stack.enter_context(modes.wrapped(m, model, [ids] * k))
+                fns[(m, k)] = modes.in_mode(m, modes.train_step(call, args))
+        time_into(s, fns, recs, sync)
+    model.zero_grad(set_to_none=True)
+
+
+def consume_graph(replicas: list) -> None:
+    """Back-propagates through one replica tensor, so the graph ``replicate()`` built is consumed
+    as a training step's backward would consume it (fastdp's persistent replicas reuse their
+    tensors only once the previous step's backward has run)."""
+    for m in replicas[-1].modules():
+        found = list(m._parameters.values()) + list(getattr(m, "_former_parameters", {}).values())
+        for t in found:
+            if t is not None and t.grad_fn is not None:
+                t.sum().backward()
+                return
+
+
+def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) -> list[Task]:
+    """Steady-state ``replicate()`` cost on ``n`` CPU replicas: ``FastDataParallel.replicate``
+    (after warm-up calls) vs DataParallel's algorithm (``fastdp.replicate.replicate``, fresh
+    replicas every call), in training mode with grad enabled as inside a training step. Each
+    timed call is followed, untimed, by a backward through the replicas (``consume_graph``), as in
+    training; both are timed interleaved. Checked first: every replica computes what the module
+    computes. Also counted: Python calls per ``replicate()`` call."""
+    layers = layers or plan(s.profile, "replicate")
+
+    def run(k: int) -> list[dict]:
+        import fastdp
+
+        fresh = modes.fresh_replicate
+        torch.manual_seed(0)
+        model = wl.mlp(k).train()
+        x = torch.randn(2, 32)
+        base = {"suite": "replicate", "workload": f"mlp{k}", "layers": k, "replicas": n,
+                "devices": ["cpu"] * n, "params": 2 * k, "modules": k + 1}
+        fdp = fastdp.FastDataParallel(model, device_ids=["cpu"] * n)
+        ids = fdp.device_ids
+        impls = {"fastdp": lambda: fdp.replicate(fdp.module, ids),
+                 "dp_algo": lambda: fresh(model, ids, not torch.is_grad_enabled())}
+        recs = {m: {**base, "mode": m} for m in impls}
+        for m, fn in impls.items():
+            def check(r: dict, fn=fn) -> None:
+                reps = fn()
+                want = model(x)
+                err = max((rep(x) - want).abs().max().item() for rep in reps)
+                r["check"] = {"ok": len(reps) == n and err <= 1e-6 * max(
+                    1.0, want.abs().max().item()), "max_abs_err": err, "replicas": len(reps)}
+                if not r["check"]["ok"]:
+                    r["status"] = "check_failed"
+                consume_graph(reps)
+                held: list = []
+                with timing.CallCounter() as cc:  # the replicate() call alone, steady state
+                    r["calls_per_call"] = cc.counted(lambda: held.append(fn()))["total"]
+                    r["top_functions"] = cc.top()
+                consume_graph(held.pop())
+
+            guarded(recs[m], check)
+        model.zero_grad(set_to_none=True)
+        time_into(s, {m: (impls[m], consume_graph) for m, r in recs.items()
+                      if r["status"] in ("ok", "check_failed")}, recs)
+        model.zero_grad(set_to_none=True)
+        return list(recs.values())
+
+    return [Task("replicate", f"{k} layers", lambda k=k: run(k)) for k in layers]

@@ -1,0 +1,248 @@
+"""GPU suites (planned only where ``torch.cuda.is_available()``).
+
+``gpu-comm`` / ``multigpu-comm``     scatter (from a GPU, from pinned and from pageable host
+    memory), gather and ``broadcast_coalesced``: ``fastdp.comm`` against ``torch.nn.parallel.comm``
+    on the same tensors, interleaved with the copy limits: one plain copy of the same bytes
+    (pinned host -> cuda:0 for host sources, cuda:0 -> the last device otherwise).
+``gpu-replicate`` / ``multigpu-replicate``   ``torch.nn.parallel.replicate``, DataParallel's
+    algorithm (``fastdp.replicate.replicate``), ``FastDataParallel.replicate`` (steady state: each
+    timed call followed, untimed, by a backward through the replicas, as in training) and the
+    parameter broadcast alone (``broadcast_coalesced``, torch vs fastdp).
+``gpu-steps`` / ``multigpu-steps``   training steps: replicas sharing cuda:0 (``[0] * n``) or one
+    per distinct GPU (``[0, 1, ..., k-1]``), every mode, inputs on cuda:0 and as a host batch
+    (pageable and pinned; the bare module's step then includes its own copy to cuda:0).
+
+``DRY_RUN = True`` (the hidden ``--gpu-dry-run`` flag) runs the same code on CPU devices, so a
+machine without a GPU can execute every line of these suites; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import comm as tcomm
+
+import fastdp.bench.workloads as wl
+from fastdp.bench import modes, timing
+from fastdp.bench.runner import Settings, Task, guarded, time_into, time_modes
+from fastdp.bench.suites_cpu import consume_graph
+
+MiB = 1 << 20
+DRY_RUN = False
+
+
+def gpu_count() -> int:
+    return 2 if DRY_RUN else torch.cuda.device_count()
+
+
+def dev(i: int = 0) -> torch.device:
+    return torch.device("cpu") if DRY_RUN else torch.device("cuda", i)
+
+
+def ids(xs: list[int]) -> list:
+    """Device ids as passed to the wrappers (``'cpu'`` in a dry run)."""
+    return ["cpu"] * len(xs) if DRY_RUN else list(xs)
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if DRY_RUN else t.pin_memory()
+
+
+def _sync(devices: list[int]) -> Callable[[], None]:
+    return timing.cuda_sync([dev(d) for d in devices])
+
+
+def device_sets(multi: bool, replicas: tuple[int, ...]) -> list[list[int]]:
+    """``[0] * n`` for the shared-GPU suites; ``[0..k-1]`` for k = 1, 2, 4, ... and all GPUs."""
+    if not multi:
+        return [[0] * n for n in replicas]
+    count = gpu_count()
+    ks = sorted({k for k in (1, 2, 4, 8, 16) if k <= count} | {count})
+    return [list(range(k)) for k in ks]
+
+
+def comm_sizes(profile: str) -> list[int]:
+    if profile == "tiny":
+        return [MiB]
+    if profile == "quick":
+        return [MiB, 64 * MiB]
+    return [64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+
+
+def _exact(got, want) -> bool:  # noqa: ANN001
+    got, want = wl.tensors_of(got), wl.tensors_of(want)
+    return len(got) == len(want) and all(
+        a.device == b.device and torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple[dict, int]:
+    """name -> (kind, {impl: fn}, expected result or None), and the broadcast's tensor count."""
+    from fastdp import comm as fcomm
+
+    n = len(devices)
+    pinned, pageable = _pin(x.cpu()), x.cpu().clone()
+    dst_far = torch.empty_like(x, device=devs[-1])
+    dst_h2d = torch.empty_like(x)
+    chunks = [c.to(d) for c, d in zip(x.chunk(n), devs)]
+    params = list(x.view(-1).split(max(x.numel() // 200, 1024)))
+    ops = {
+        "limit_h2d": ("limit", {"copy": lambda: dst_h2d.copy_(pinned, non_blocking=True)}, None),
+        "limit_d2d": ("limit", {"copy": lambda: dst_far.copy_(x, non_blocking=True)}, None),
+        "scatter_gpu": ("scatter", {"torch": lambda: tcomm.scatter(x, devices),
+                                    "fastdp": lambda: fcomm.scatter(x, devices)}, chunks),
+        "scatter_pinned": ("scatter", {"torch": lambda: tcomm.scatter(pinned, devices),
+                                       "fastdp": lambda: fcomm.scatter(pinned, devices)}, chunks),
+        "scatter_pageable": ("scatter", {
+            "torch": lambda: tcomm.scatter(pageable, devices),
+            "fastdp": lambda: fcomm.scatter(pageable, devices)}, chunks),
+        "gather": ("gather", {"torch": lambda: tcomm.gather(chunks, 0, devices[0]),
+                              "fastdp": lambda: fcomm.gather(chunks, 0, devices[0])}, x),
+        "broadcast_coalesced": ("broadcast", {
+            "torch": lambda: tcomm.broadcast_coalesced(params, devices),
+            "fastdp": lambda: fcomm.broadcast_coalesced(params, devices)},
+            [[p.to(d) for p in params] for d in devs]),
+    }
+    return ops, len(params)
+
+
+def comm_tasks(s: Settings, multi: bool) -> list[Task]:
+    suite = "multigpu-comm" if multi else "gpu-comm"
+    devices = list(range(gpu_count())) if multi else [0] * 4
+    devs = [dev(d) for d in devices]
+    sync = _sync(devices)
+
+    def run(size: int) -> list[dict]:
+        n = len(devices)
+        rows = max(n * 16, 64)
+        x = torch.randn(rows, size // 4 // rows, device=devs[0])
+        ops, tensors = _comm_ops(x, ids(devices), devs)
+        recs: dict[tuple, dict] = {}
+        fns = {}
+        for op, (kind, impls, ref) in ops.items():
+            for impl, fn in impls.items():
+                def check(r: dict, fn=fn, ref=ref) -> None:
+                    got = fn()
+                    if ref is not None:
+                        r["check"] = {"ok": _exact(got, ref), "exact": True}
+                        if not r["check"]["ok"]:
+                            r["status"] = "check_failed"
+
+                recs[(op, impl)] = guarded({
+                    "suite": suite, "op": op, "kind": kind, "mode": impl,
+                    "bytes": x.numel() * 4, "devices": [str(d) for d in devs], "replicas": n,
+                    "tensors": tensors if kind == "broadcast" else 1}, check)
+                if recs[(op, impl)]["status"] in ("ok", "check_failed"):
+                    fns[(op, impl)] = fn
+        time_into(s, fns, recs, sync)
+        out = list(recs.values())
+        for r in out:
+            if "time_ms" in r:
+                r["gbps"] = r["bytes"] / (r["time_ms"]["median_ms"] * 1e-3) / 1e9
+        limits = {r["op"]: r for r in out if r["kind"] == "limit" and "gbps" in r}
+        for r in out:
+            lim = limits.get("limit_h2d" if r["op"] in ("scatter_pinned", "scatter_pageable")
+                             else "limit_d2d")
+            if r["kind"] != "limit" and lim and "gbps" in r:
+                r["limit_op"], r["limit_gbps"] = lim["op"], lim["gbps"]
+                r["frac_of_limit"] = r["gbps"] / lim["gbps"]
+        return out
+
+    return [Task(suite, f"{z >> 10} KiB", lambda z=z: run(z)) for z in comm_sizes(s.profile)]
+
+
+def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
+    """``replicate()`` cost of GPU workloads on 4 replicas of cuda:0 or on every GPU."""
+    suite = "multigpu-replicate" if multi else "gpu-replicate"
+    devices = list(range(gpu_count())) if multi else [0] * 4
+    cat = wl.catalogue(s.profile)
+    names = ("mlp100",) if s.profile == "tiny" else ("mlp1000", "resnet50")
+
+    def run(w: wl.Workload) -> list[dict]:
+        import fastdp
+        from fastdp import comm as fcomm
+
+        fresh = modes.fresh_replicate
+
+        model = wl.build(w, dev(0))
+        fdp = fastdp.FastDataParallel(model, device_ids=ids(devices))
+        params = list(model.parameters())
+        d = ids(devices)
+        impls = {
+            "torch": lambda: _plain(torch.nn.parallel.replicate, model, d),
+            "dp_algo": lambda: fresh(model, d, False),
+            "fastdp": lambda: fdp.replicate(fdp.module, fdp.device_ids),
+            "torch_broadcast": lambda: tcomm.broadcast_coalesced(params, d),
+            "fastdp_broadcast": lambda: fcomm.broadcast_coalesced(params, d),
+        }
+        base = {"suite": suite, "workload": w.name, "layers": w.layers,
+                "replicas": len(devices), "devices": [str(dev(i)) for i in devices],
+                "params": len(params),
+                "param_bytes": sum(p.numel() * p.element_size() for p in params)}
+        replicating = ("torch", "dp_algo", "fastdp")  # their graph is consumed after each call
+
+        def first(r: dict, m: str) -> None:
+            out = impls[m]()
+            if m in replicating:
+                consume_graph(out)
+
+        recs = {m: guarded({**base, "mode": m}, lambda r, m=m: first(r, m)) for m in impls}
+        time_into(s, {m: (fn, consume_graph) if m in replicating else fn
+                      for m, fn in impls.items() if recs[m]["status"] == "ok"}, recs,
+                  _sync(devices))
+        model.zero_grad(set_to_none=True)
+        return list(recs.values())
+
+    return [Task(suite, name, lambda w=cat[name]: run(w)) for name in names]
+
+
+def _plain(fn, *args):  # noqa: ANN001, ANN002, ANN202
+    with modes.plain_module_methods():
+        return fn(*args)
+
+
+class _MoveThen(nn.Module):
+    """The bare module fed from a host batch: the copy to the device is part of its step."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module, self.device = module, device
+
+    def forward(self, *args):  # noqa: ANN002, ANN201
+        return self.module(*wl.map_tensors(args, lambda t: t.to(self.device, non_blocking=True)))
+
+
+def step_tasks(s: Settings, multi: bool) -> list[Task]:
+    suite = "multigpu-steps" if multi else "gpu-steps"
+    cat = wl.catalogue(s.profile)
+    if s.profile == "tiny":
+        combos = [("mlp10", "cuda"), ("mlp10", "cpu-pinned")]
+    else:
+        combos = [(n, "cuda") for n in ("mlp1000", "resnet50", "transformer12", "lstm",
+                                         "mlp10-dict16")]
+        combos += [(n, w) for n in ("resnet50", "mlp10") for w in ("cpu-pageable", "cpu-pinned")]
+    sets = device_sets(multi, s.replicas)
+    cache: dict[tuple, tuple] = {}
+
+    def model_and_args(w: wl.Workload, where: str) -> tuple:
+        if (w.name, where) not in cache:
+            cache.clear()  # one model alive at a time
+            args = wl.make_inputs(w, dev(0) if where == "cuda" else "cpu")
+            cache[(w.name, where)] = (wl.build(w, dev(0)),
+                                      wl.map_tensors(args, _pin) if where == "cpu-pinned"
+                                      else args)
+        return cache[(w.name, where)]
+
+    def run(w: wl.Workload, where: str, devices: list[int]) -> list[dict]:
+        model, args = model_and_args(w, where)
+        return time_modes(s, suite=suite, w=w, model=model, args=args, devices=ids(devices),
+                          n=len(devices), ref_device=dev(0),
+                          input_kind=w.input_kind if where == "cuda"
+                          else f"{w.input_kind}:{where}",
+                          mode_list=("bare",) + modes.WRAPPERS,
+                          bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),
+                          sync=_sync(devices), extra={"distinct_gpus": len(set(devices))})
+
+    return [Task(suite, f"{name} {where} {devs}", lambda w=cat[name], x=where, d=devs:
+                 run(w, x, d)) for name, where in combos for devs in sets]

@@ -1,0 +1,249 @@
+"""Timing and call counting: warm-up, calibrated repeats, min / median / max, Python 'call' events.
+
+Every figure is a wall-clock time from ``time.perf_counter``. On CUDA the devices in use are
+synchronised before a repeat starts and before it is read, so a repeat contains the GPU work it
+launched. A repeat runs the step ``inner`` times (calibrated so that one repeat lasts at least
+``min_repeat_s``) and reports the time per step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Stats:
+    """Seconds per step of one measured configuration, reported in milliseconds."""
+
+    min_ms: float
+    median_ms: float
+    max_ms: float
+    mean_ms: float
+    repeats: int
+    inner: int
+    warmup: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def cuda_sync(devices: Sequence[torch.device | int | str]) -> Callable[[], None]:
+    """A function that synchronises every CUDA device in ``devices`` (a no-op for CPU)."""
+    idx = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
+    if not idx:
+        return lambda: None
+
+    def sync() -> None:
+        for i in idx:
+            torch.cuda.synchronize(i)
+
+    return sync
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    min_repeat_s: float = 0.0,
+    max_total_s: float | None = None,
+    sync: Callable[[], None] | None = None,
+    max_inner: int = 10_000,
+) -> Stats:
+    """Times ``fn`` after ``warmup`` calls: ``repeats`` repeats of ``inner`` calls each.
+
+    ``max_total_s`` caps the time spent on the repeats (at least 3 repeats are kept) so that one
+    slow configuration cannot eat the whole run; the number actually done is reported.
+    """
+    return measure_many({"_": fn}, warmup=warmup, repeats=repeats, min_repeat_s=min_repeat_s,
+                        max_total_s=max_total_s, sync=sync, max_inner=max_inner)["_"]
+
+
+Timed = Callable[[], object] | tuple[Callable[[], object], Callable[[object], None]]
+
+
+def measure_many(
+    fns: dict[str, Timed],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    min_repeat_s: float = 0.0,
+    max_total_s: float | None = None,
+    sync: Callable[[], None] | None = None,
+    max_inner: int = 10_000,
+) -> dict[str, Stats]:
+    """Like ``measure`` for several functions, interleaved: repeat k of every function runs before
+    repeat k + 1 of any, so drift of the machine (clock, other load) hits them all alike and the
+    ratios between them are fair. ``max_total_s`` caps the sum over all functions.
+
+    A value ``(fn, after)`` times ``fn`` alone, one call per repeat, and then calls
+    ``after(fn's result)`` outside the timed region (e.g. a backward that the measured call's
+    steady state depends on).
+    """
+    sync = sync or (lambda: None)
+    pairs = {k: (f if isinstance(f, tuple) else (f, None)) for k, f in fns.items()}
+
+    def once(fn: Callable[[], object], after: Callable[[object], None] | None) -> float:
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        dt = time.perf_counter() - t0
+        if after is not None:
+            after(out)
+        return dt
+
+    inner: dict[str, int] = {}
+    first: dict[str, float] = {}
+    for name, (fn, after) in pairs.items():
+        for _ in range(max(warmup, 1)):  # at least one: the first call builds lazy state
+            once(fn, after)
+        first[name] = max(once(fn, after), 1e-9)
+        k = int(min(max_inner, max(1, math.ceil(min_repeat_s / first[name]))))
+        inner[name] = 1 if after is not None else k
+    if max_total_s is not None:
+        per_round = sum(first[k] * inner[k] for k in pairs)
+        repeats = max(3, min(repeats, int(max_total_s / per_round)))
+    times: dict[str, list[float]] = {k: [] for k in pairs}
+    for _ in range(repeats):
+        for name, (fn, after) in pairs.items():
+            if after is not None:
+                times[name].append(once(fn, after) * 1e3)
+                continue
+            k = inner[name]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            sync()
+            times[name].append((time.perf_counter() - t0) / k * 1e3)
+    return {
+        name: Stats(min_ms=min(ms), median_ms=statistics.median(ms), max_ms=max(ms),
+                    mean_ms=statistics.fmean(ms), repeats=repeats, inner=inner[name],
+                    warmup=warmup)
+        for name, ms in times.items()
+    }
+
+
+class CallCounter:
+    """Counts Python ``'call'`` events (function calls and generator resumptions) in every thread.
+
+    The profile hook is installed with ``sys.setprofile`` and ``threading.setprofile`` when the
+    counter is entered, so threads started afterwards (e.g. persistent replica workers created on
+    the first step) carry it too; ``threading.setprofile_all_threads`` (Python >= 3.12) also
+    reaches threads that already exist. Counting is off except inside ``counted()``, so warm-up
+    steps inside the ``with`` block are not counted. On exit the hook uninstalls itself in each
+    thread at that thread's next Python event. C functions (``'c_call'``) are not counted. Calls
+    made on threads that Python does not start (e.g. the CUDA autograd engine's device threads)
+    are invisible to the hook.
+
+    ``model_codes``: code objects of the model's ``forward`` methods. A call made while a frame
+    running one of them is live in the same thread (the forward itself included) is counted as the
+    model's (``model_count``), whatever object it runs on: the original module or a replica.
+    ``top`` lists only the calls outside the model.
+    """
+
+    def __init__(self, areas: dict[str, str] | None = None, model_codes: set | None = None) -> None:
+        """``areas`` maps a name to a path prefix: calls whose code file starts with it are also
+        counted under that name (``area_counts``); the prefix under ``"_exclude"`` is left out."""
+        self.count = 0
+        self.model_count = 0
+        self.areas = {k: v for k, v in (areas or {}).items() if k != "_exclude"}
+        self._exclude = (areas or {}).get("_exclude")
+        self._model_codes = frozenset(model_codes or ())
+        self.in_area = dict.fromkeys(self.areas, 0)
+        self.by_code: dict = {}
+        self._on = False
+        self._installed = False
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+
+    def _hook(self, frame, event, arg):  # noqa: ANN001 (the profiler's signature)
+        if not self._installed:
+            sys.setprofile(None)
+            return
+        if not self._on:
+            return
+        code = frame.f_code
+        if event == "return":
+            if code in self._model_codes:
+                self._tls.inside = max(0, getattr(self._tls, "inside", 0) - 1)
+            return
+        if event != "call":
+            return
+        inside = getattr(self._tls, "inside", 0)
+        if code in self._model_codes:
+            inside += 1
+            self._tls.inside = inside
+        with self._lock:
+            self.count += 1
+            if inside:
+                self.model_count += 1
+                return
+            self.by_code[code] = self.by_code.get(code, 0) + 1
+            if self.areas:
+                f = code.co_filename
+                if not (self._exclude and f.startswith(self._exclude)):
+                    for name, prefix in self.areas.items():
+                        if f.startswith(prefix):
+                            self.in_area[name] += 1
+
+    def __enter__(self) -> CallCounter:
+        self._installed = True
+        if hasattr(threading, "setprofile_all_threads"):
+            threading.setprofile_all_threads(self._hook)
+        else:
+            threading.setprofile(self._hook)
+            sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._on = False
+        self._installed = False
+        threading.setprofile(None)
+        sys.setprofile(None)
+
+    def counted(self, fn: Callable[[], object], steps: int = 1) -> dict[str, float]:
+        """Calls ``fn`` ``steps`` times with counting on; returns calls per step: ``total``,
+        ``model`` (inside the model's forward), ``outside`` (the rest)."""
+        self.count = self.model_count = 0
+        self.in_area = dict.fromkeys(self.areas, 0)
+        self.by_code = {}
+        self._steps = steps
+        self._on = True
+        try:
+            for _ in range(steps):
+                fn()
+        finally:
+            self._on = False
+        return {"total": self.count / steps, "model": self.model_count / steps,
+                "outside": (self.count - self.model_count) / steps}
+
+    def top(self, n: int = 12) -> list[list]:
+        """The ``n`` most called functions outside the model during the last ``counted``, per
+        step, as ``[path/to/file.py:line function, calls]`` (last three path components)."""
+        rows = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
+        return [[f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}",
+                 k / self._steps] for c, k in rows]
+
+    def area_counts(self) -> dict[str, float]:
+        """Calls per step outside the model in each area during the last ``counted``."""
+        return {k: v / self._steps for k, v in self.in_area.items()}
+
+
+def forward_codes(module) -> set:  # noqa: ANN001
+    """The code objects of the ``forward`` methods of ``module`` and all its submodules."""
+    codes = set()
+    for m in module.modules():
+        f = getattr(type(m).forward, "__code__", None)
+        if f is not None:
+            codes.add(f)
+    return codes

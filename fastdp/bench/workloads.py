@@ -1,0 +1,215 @@
+"""Benchmark workloads, built from ``torch.nn`` only (nothing is downloaded), and their inputs.
+
+Sizes come in four profiles: ``tiny`` (the smoke test), ``quick`` (CI, CPU), ``cpu`` (the default
+CPU run) and ``gpu``. Layer counts and block structure never change with the profile (a 1000-layer
+MLP has 1000 layers, the CNN always has ResNet-50's bottleneck blocks [3, 4, 6, 3]); widths,
+spatial sizes, sequence lengths and batch sizes do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+PROFILES = ("tiny", "quick", "cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model factory plus an input factory; ``inputs(batch, device)`` returns positional args."""
+
+    name: str
+    family: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[int, torch.device | str], tuple]
+    batch: int
+    input_kind: str = "tensor"
+    layers: int | None = None
+    desc: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+def mlp(layers: int, width: int = 32) -> nn.Sequential:
+    """A stack of ``Linear(width, width)``; orthogonal weights and zero biases keep activations and
+    gradients at unit scale through 1000 layers (no denormals, meaningful tolerances)."""
+    seq = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    with torch.no_grad():
+        for lin in seq:
+            nn.init.orthogonal_(lin.weight)
+            lin.bias.zero_()
+    return seq
+
+
+class Bottleneck(nn.Module):
+    """ResNet-50's bottleneck block (1x1, 3x3, 1x1 convolutions with BatchNorm, expansion 4)."""
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + (x if self.down is None else self.down(x)))
+
+
+def resnet50_shaped(base: int = 64, classes: int = 100) -> nn.Sequential:
+    """ResNet-50's structure (stem, bottlenecks [3, 4, 6, 3], pooling, classifier) with the stage
+    widths ``base, 2*base, 4*base, 8*base`` (``base=64`` is ResNet-50 itself)."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False),
+        nn.BatchNorm2d(base),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, stride=2, padding=1),
+    ]
+    cin = base
+    for i, blocks in enumerate((3, 4, 6, 3)):
+        width = base * 2**i
+        for j in range(blocks):
+            layers.append(Bottleneck(cin, width, 2 if (j == 0 and i > 0) else 1))
+            cin = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+class LSTMNet(nn.Module):
+    """A 2-layer batch-first LSTM with a linear head; returns only the per-step outputs (the hidden
+    state's batch dimension is 1, which DataParallel would gather along the wrong axis)."""
+
+    def __init__(self, features: int, hidden: int, layers: int = 2) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+class DictMLP(nn.Module):
+    """Takes a dict of 16 tensors: one ``Linear`` per key, summed, then an MLP trunk."""
+
+    def __init__(self, keys: int = 16, width: int = 32, trunk: int = 10) -> None:
+        super().__init__()
+        self.keys = [f"x{i:02d}" for i in range(keys)]
+        self.embed = nn.ModuleDict({k: nn.Linear(width, width) for k in self.keys})
+        self.trunk = mlp(trunk, width)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.trunk(sum(self.embed[k](batch[k]) for k in self.keys))
+
+
+def _randn(*shape: int) -> Callable[[int, torch.device | str], tuple]:
+    return lambda b, dev: (torch.randn(b, *shape, device=dev),)
+
+
+def _dict16(width: int) -> Callable[[int, torch.device | str], tuple]:
+    return lambda b, dev: ({f"x{i:02d}": torch.randn(b, width, device=dev) for i in range(16)},)
+
+
+# Per-profile sizes: batch of the MLPs, CNN (base width, image side, batch), transformer (d_model,
+# heads, feed-forward, sequence, batch), LSTM (hidden, sequence, batch).
+_SIZES = {
+    "tiny": dict(mlp_b=8, cnn=(4, 16, 4), tf=(16, 2, 32, 8, 4), lstm=(16, 8, 4)),
+    "quick": dict(mlp_b=16, cnn=(8, 16, 8), tf=(32, 4, 64, 16, 8), lstm=(32, 16, 8)),
+    "cpu": dict(mlp_b=64, cnn=(16, 32, 8), tf=(64, 4, 256, 32, 16), lstm=(64, 32, 16)),
+    "gpu": dict(mlp_b=1024, cnn=(64, 128, 64), tf=(512, 8, 2048, 128, 64), lstm=(512, 128, 64)),
+}
+
+
+def catalogue(profile: str) -> dict[str, Workload]:
+    """Every workload at the sizes of ``profile``, by name."""
+    s = _SIZES[profile]
+    base, side, cnn_b = s["cnn"]
+    d, heads, ff, seq, tf_b = s["tf"]
+    hid, lseq, lstm_b = s["lstm"]
+    out: dict[str, Workload] = {}
+    for n in (10, 100, 1000):
+        out[f"mlp{n}"] = Workload(
+            f"mlp{n}", "mlp", lambda n=n: mlp(n), _randn(32), s["mlp_b"], layers=n,
+            desc=f"{n} x Linear(32, 32)",
+        )
+    out["resnet50"] = Workload(
+        "resnet50", "cnn", lambda: resnet50_shaped(base), _randn(3, side, side), cnn_b,
+        layers=53, desc=f"ResNet-50-shaped, bottlenecks [3,4,6,3], base width {base}, "
+        f"{side}x{side} images", meta={"base": base, "side": side},
+    )
+
+    def transformer() -> nn.Module:
+        layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
+
+    out["transformer12"] = Workload(
+        "transformer12", "transformer", transformer, _randn(seq, d), tf_b, layers=12,
+        desc=f"nn.TransformerEncoder, 12 layers, d_model {d}, {heads} heads, ff {ff}, seq {seq}",
+    )
+    out["lstm"] = Workload(
+        "lstm", "lstm", lambda: LSTMNet(32, hid), _randn(lseq, 32), lstm_b, layers=2,
+        desc=f"2-layer LSTM, hidden {hid}, seq {lseq}",
+    )
+    out["mlp10-dict16"] = Workload(
+        "mlp10-dict16", "mlp", lambda: DictMLP(), _dict16(32), s["mlp_b"], input_kind="dict16",
+        layers=26, desc="dict of 16 tensors -> 16 Linear(32,32) summed -> 10 x Linear(32,32)",
+    )
+    return out
+
+
+def build(w: Workload, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """The workload's model in training mode on ``device``, with deterministic weights."""
+    torch.manual_seed(seed)
+    return w.build().to(device).train()
+
+
+def make_inputs(w: Workload, device: torch.device | str, batch: int | None = None,
+                pin: bool = False, seed: int = 1) -> tuple:
+    """Deterministic inputs; ``pin=True`` pins CPU tensors (page-locked host memory)."""
+    g = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        args = w.inputs(batch or w.batch, device)
+    finally:
+        torch.random.set_rng_state(g)
+    return map_tensors(args, lambda t: t.pin_memory()) if pin else args
+
+
+def map_tensors(obj, fn):  # noqa: ANN001, ANN201 (any nesting of tuple/list/dict)
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, list):
+        return [map_tensors(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def tensors_of(obj) -> list[torch.Tensor]:  # noqa: ANN001
+    """The tensors of a nested output, in a deterministic order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in tensors_of(o)]
+    if isinstance(obj, dict):
+        return [t for k in obj for t in tensors_of(obj[k])]
+    return []
+
+
+def loss_of(out) -> torch.Tensor:  # noqa: ANN001
+    """Mean of squares over every output tensor: gradients reach every parameter."""
+    return sum(t.float().square().mean() for t in tensors_of(out))

@@ -1,0 +1,83 @@
+"""Smoke test of ``python -m fastdp.bench``: the CPU suites at tiny sizes, in-process, in a tmp dir.
+
+Checks the shape of what the suite writes (JSON keys, table, plots), never the figures themselves.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from fastdp.bench import cli, suites_gpu
+
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    suites = ["passthrough", "cpu-replicas", "overhead", "replicate"]
+    doc = cli.main(["--tiny", "--no-progress", "--out", str(out), "--replicas", "2",
+                    "--suite", *suites])
+    return out, doc
+
+
+def test_bench_writes_json_with_meta_headline_and_records(tiny_run):
+    out, _ = tiny_run
+    with open(out / "results.json") as f:
+        doc = json.load(f)
+    assert doc["schema"] == "fastdp-bench/1"
+    meta = doc["meta"]
+    for key in ("date", "command", "machine", "torch", "cuda", "fastdp", "suites", "wall_s"):
+        assert key in meta, key
+    assert {"cpu", "cores", "gpu"} <= set(meta["machine"])
+    assert {"version", "commit"} <= set(meta["fastdp"])
+    assert meta["command"].startswith("python -m fastdp.bench")
+    assert "replicate_cpu" in doc["headline"] and "not_ok" in doc["headline"]
+
+
+def test_bench_records_cover_every_cpu_suite_and_mode(tiny_run):
+    _, doc = tiny_run
+    recs = doc["records"]
+    seen = {(r["suite"], r["mode"]) for r in recs}
+    for suite, mode in [("passthrough", "bare"), ("passthrough", "fastdp"),
+                        ("passthrough", "torch_dp"), ("cpu-replicas", "fastdp"),
+                        ("cpu-replicas", "fastdp_noext"), ("cpu-replicas", "dp_algo"),
+                        ("overhead", "model_chunks"), ("overhead", "fastdp"),
+                        ("replicate", "fastdp"), ("replicate", "dp_algo")]:
+        assert (suite, mode) in seen, (suite, mode)
+    timed = [r for r in recs if r.get("status") == "ok"]
+    assert timed and all({"min_ms", "median_ms", "max_ms"} <= set(r["time_ms"]) for r in timed)
+    checked = [r for r in recs if r["suite"] == "cpu-replicas" and r["mode"] != "bare"
+               and r.get("status") != "unsupported"]
+    assert checked and all("check" in r for r in checked)
+    over = [r for r in recs if r["suite"] == "overhead" and r["mode"] == "fastdp"]
+    assert over and all("wrapper_calls_per_step" in r and "overhead_ms" in r for r in over)
+    assert all({"total", "model", "outside"} <= set(r["calls"]) for r in over)
+
+
+def test_bench_writes_table(tiny_run):
+    out, _ = tiny_run
+    text = (out / "table.txt").read_text()
+    assert "cpu-replicas" in text and "replicate" in text
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_bench_writes_png_plots(tiny_run):
+    out, doc = tiny_run
+    pngs = [p for p in os.listdir(out) if p.endswith(".png")]
+    assert "replicate.png" in pngs and "steps_cpu-replicas.png" in pngs
+    assert doc["meta"]["plots"]
+
+
+def test_gpu_suites_code_runs_on_cpu_devices_in_dry_run(tmp_path, monkeypatch):
+    """Every line of the GPU suites runs (on CPU devices) even where no GPU exists."""
+    monkeypatch.setattr(suites_gpu, "DRY_RUN", True)
+    doc = cli.main(["--tiny", "--gpu-dry-run", "--no-progress", "--no-plots", "--replicas", "2",
+                    "--out", str(tmp_path), "--suite", "gpu-comm", "gpu-replicate", "gpu-steps"])
+    by_suite = {r["suite"] for r in doc["records"]}
+    assert {"gpu-comm", "gpu-replicate", "gpu-steps"} <= by_suite
+    fast = [r for r in doc["records"] if r["mode"] in ("fastdp", "copy")]
+    assert fast and all(r["status"] == "ok" for r in fast), [
+        (r["suite"], r.get("op"), r.get("error")) for r in fast if r["status"] != "ok"]
