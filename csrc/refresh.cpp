@@ -25,12 +25,28 @@ void copy_all(const std::vector<at::Tensor>& dests, const std::vector<at::Tensor
   }
 }
 
-// Keeps a step's pending token alive in the node's saved_data (an IValue capsule).
+// Keeps a step's pending token alive in the node's saved_data (an IValue capsule), with the
+// layout of each source for the gradients that never arrive. It must not own the RefreshState:
+// the state's tensors have this node as grad_fn, and state -> tensor -> node -> state would be a
+// reference cycle of C++ owners that nothing collects (the model, replicas and gradients leaked).
 struct TokenHolder : torch::CustomClassHolder {
-  TokenHolder(std::shared_ptr<std::atomic<bool>> t, std::shared_ptr<RefreshState> s)
-      : token(std::move(t)), state(std::move(s)) {}
+  TokenHolder(std::shared_ptr<std::atomic<bool>> t, const std::vector<at::Tensor>& like)
+      : token(std::move(t)) {
+    sizes.reserve(like.size());
+    strides.reserve(like.size());
+    options.reserve(like.size());
+    for (const auto& x : like) {
+      sizes.push_back(x.sizes().vec());
+      strides.push_back(x.strides().vec());
+      options.push_back(x.options());
+    }
+  }
+  at::Tensor zeros(size_t k) const {  // the source's layout, as zeros_like(Preserve) gave
+    return at::empty_strided(sizes[k], strides[k], options[k]).zero_();
+  }
   std::shared_ptr<std::atomic<bool>> token;
-  std::shared_ptr<RefreshState> state;  // for the shapes of gradients that never arrived
+  std::vector<std::vector<int64_t>> sizes, strides;
+  std::vector<at::TensorOptions> options;
 };
 
 struct RefreshFn : public torch::autograd::Function<RefreshFn> {
@@ -43,7 +59,8 @@ struct RefreshFn : public torch::autograd::Function<RefreshFn> {
     ctx->saved_data["n"] = static_cast<int64_t>(n);
     ctx->saved_data["replicas"] = static_cast<int64_t>(state->tensors.size());
     ctx->saved_data["device"] = sources.empty() ? at::Device(at::kCPU) : sources[0].device();
-    ctx->saved_data["token"] = c10::IValue::make_capsule(c10::make_intrusive<TokenHolder>(token, state));
+    ctx->saved_data["token"] =
+        c10::IValue::make_capsule(c10::make_intrusive<TokenHolder>(token, state->tensors[0]));
     variable_list outs;
     variable_list frozen;
     outs.reserve(n * state->tensors.size());
@@ -64,7 +81,6 @@ struct RefreshFn : public torch::autograd::Function<RefreshFn> {
     const int64_t n = ctx->saved_data["n"].toInt();
     const int64_t r = ctx->saved_data["replicas"].toInt();
     const at::Device dev = ctx->saved_data["device"].toDevice();
-    const auto& shapes = holder->state->tensors[0];
     std::vector<int64_t> needed;
     for (int64_t k = 0; k < n; ++k) {
       if (ctx->needs_input_grad(k)) needed.push_back(k);  // indexes variable inputs only
@@ -77,7 +93,7 @@ struct RefreshFn : public torch::autograd::Function<RefreshFn> {
       per[j].reserve(needed.size());
       for (int64_t k : needed) {
         at::Tensor g = grads[j * n + k];
-        if (!g.defined()) g = at::zeros_like(shapes[k], at::MemoryFormat::Preserve);
+        if (!g.defined()) g = holder->zeros(static_cast<size_t>(k));
         local = local && g.device() == dev;
         per[j].push_back(std::move(g));
       }

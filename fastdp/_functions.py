@@ -3,6 +3,8 @@
 ``Scatter`` and ``Gather`` are fused: one Function application covers every leaf of a step, so the
 Python work per step does not grow with the number of leaves' chunks. ``Broadcast`` and
 ``ReduceAddCoalesced`` mirror torch's (each one's backward is the other) through ``fastdp.comm``.
+Under ``create_graph=True`` the backward of Scatter and Gather is the other Function, so double
+backward works whichever backend (extension kernels carry no autograd history) did the copies.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import warnings
 from itertools import chain
 
+import torch
 from torch.autograd import Function
 
 from fastdp import comm
@@ -43,7 +46,10 @@ class Scatter(Function):
                 out.append(None)
                 continue
             parts = grads[i::n]
-            out.append(comm.gather(parts, ctx.dims[i], ctx.sources[i]))
+            if torch.is_grad_enabled():  # create_graph=True: stay differentiable
+                out.append(Gather.apply(ctx.sources[i], ctx.dims[i], len(parts), *parts)[0])
+            else:
+                out.append(comm.gather(parts, ctx.dims[i], ctx.sources[i]))
         return (None, None, None, *out)
 
 
@@ -77,8 +83,11 @@ class Gather(Function):
     def backward(ctx, *grads):
         out = []
         for i, g in enumerate(grads):
-            chunks = comm.scatter_leaves([g], ctx.devices[i], [ctx.sizes[i]], [ctx.dim])
-            parts = [c[0] for c in chunks]
+            if torch.is_grad_enabled():  # create_graph=True: stay differentiable
+                parts = list(Scatter.apply(ctx.devices[i], [ctx.sizes[i]], [ctx.dim], g))
+            else:
+                chunks = comm.scatter_leaves([g], ctx.devices[i], [ctx.sizes[i]], [ctx.dim])
+                parts = [c[0] for c in chunks]
             if ctx.scalar[i]:
                 parts = [p[0] for p in parts]
             out.extend(parts)

@@ -34,8 +34,9 @@ def plan_chunks_py(
                 f"fastdp: chunk_sizes has {len(chunk_sizes)} entries but there are "
                 f"{num_devices} devices"
             )
-        if any(c < 0 for c in chunk_sizes):
-            raise ValueError(f"fastdp: chunk_sizes must be non-negative, got {list(chunk_sizes)}")
+        for c in chunk_sizes:
+            if c < 0:
+                raise ValueError(f"fastdp: chunk_sizes must be non-negative, got {c}")
         total = sum(chunk_sizes)
         for i, s in enumerate(leaf_sizes):
             if s != total:
@@ -44,8 +45,10 @@ def plan_chunks_py(
                     "along the scatter dim"
                 )
         return [list(chunk_sizes) for _ in leaf_sizes]
-    plan = [chunk_sizes_for(s, num_devices) for s in leaf_sizes]
-    for i, p in enumerate(plan):
+    plan: list[list[int]] = []
+    for i, s in enumerate(leaf_sizes):  # leaf by leaf, so errors come in the C++ planner's order
+        p = chunk_sizes_for(s, num_devices)
+        plan.append(p)
         if len(p) != len(plan[0]):
             raise ValueError(
                 f"fastdp: input tensors split into different numbers of chunks: tensor 0 (size "

@@ -129,16 +129,30 @@ def reduce_add_coalesced(
 
 def scatter(
     tensor: torch.Tensor,
-    devices: Sequence[Any],
+    devices: Sequence[Any] | None = None,
     chunk_sizes: Sequence[int] | None = None,
     dim: int = 0,
     streams: Any = None,
+    *,
+    out: Any = None,
 ) -> tuple[torch.Tensor, ...]:
     """Split ``tensor`` along ``dim`` (``torch.chunk`` sizes unless ``chunk_sizes``) onto devices.
 
-    The chunk that stays on the tensor's own device is a view of it, as in torch.
+    The chunk that stays on the tensor's own device is a view of it, as in torch. ``out=`` (CUDA
+    outputs) is served by ``torch.nn.parallel.comm.scatter``.
     """
-    devs = [as_device(d) for d in devices]
+    if out is not None:
+        return _tcomm.scatter(tensor, devices, chunk_sizes, dim, streams, out=out)
+    devs = [as_device(d) for d in (devices or ())]
+    if not devs:
+        raise RuntimeError("Expected at least one device to scatter to")
+    if dim < 0:
+        dim += tensor.dim()
+    if chunk_sizes is not None and len(chunk_sizes) != len(devs):
+        raise RuntimeError(
+            "Expected devices and chunk_sizes to be of same length, but got "
+            f"len(devices) = {len(devs)} and len(chunk_sizes) = {len(chunk_sizes)}"
+        )
     if chunk_sizes is None:
         sizes = plan_chunks([tensor.size(dim)], len(devs))[0]
     else:
@@ -176,10 +190,21 @@ def scatter_leaves(
 def gather(
     tensors: Sequence[torch.Tensor], dim: int = 0, destination: Any = None, *, out: Any = None
 ) -> torch.Tensor:
-    """Concatenate ``tensors`` along ``dim`` on ``destination`` (None: first tensor's device)."""
+    """Concatenate ``tensors`` along ``dim`` on ``destination``.
+
+    ``destination=None`` means the current CUDA device for CUDA inputs (as in torch) and the CPU for
+    CPU inputs.
+    """
     if out is not None:
         return _tcomm.gather(tensors, dim, destination, out=out)
-    dest = tensors[0].device if destination is None else as_device(destination)
+    if not tensors:
+        raise RuntimeError("Expected at least one tensor to gather from")
+    if destination is None:
+        dest = tensors[0].device
+        if dest.type == "cuda":
+            dest = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dest = as_device(destination)
     ext = _copy_ext(tensors, [dest], one_dtype=True)
     if ext is not None:
         return ext.gather_into(list(tensors), dim, dest)

@@ -9,6 +9,7 @@ type with ``Caught X in replica i on device d.`` and the original traceback.
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -16,10 +17,11 @@ from typing import Any
 import torch
 from torch._utils import ExceptionWrapper
 from torch.nn import Module
+from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp._devices import as_device
 
-__all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error"]
+__all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -63,6 +65,37 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
         stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(device)))
 
 
+# NOTE [ Ctrl-C during a step ]
+# A KeyboardInterrupt must reach the caller promptly. A real SIGINT interrupts Thread.join, but
+# _thread.interrupt_main (IPython, timers) only sets a flag that is checked between bytecodes, so
+# joins wake every _POLL_S. Replica threads cannot be stopped: they finish on their own, and the
+# next parallel_apply waits for them first so that two steps never run on one module at once.
+_POLL_S = 0.05
+_stragglers: list[threading.Thread] = []
+
+
+def _join(t: threading.Thread) -> None:
+    while t.is_alive():
+        t.join(_POLL_S)
+
+
+def _wait_for_stragglers() -> None:
+    """Join the replica threads of an interrupted step. See NOTE [ Ctrl-C during a step ]."""
+    while _stragglers:
+        _join(_stragglers[-1])
+        _stragglers.pop()
+
+
+def _infer_device(inp: Any) -> torch.device:
+    """A replica's device when none is given: its first tensor input's, as torch's get_a_var."""
+    t = get_a_var(inp)
+    if t is not None:
+        return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _public(device: torch.device) -> Any:
     return device.index if device.type == "cuda" else device.type
 
@@ -86,7 +119,11 @@ def parallel_apply(
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[Any] | None = None,
 ) -> list[Any]:
-    """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel."""
+    """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel.
+
+    Without ``devices``, each replica runs on the device of its first tensor input (the current
+    CUDA device, else the CPU, when it has none), as ``torch.nn.parallel.parallel_apply`` infers.
+    """
     if len(modules) != len(inputs):
         raise AssertionError(
             f"The number of modules {len(modules)} is not equal to the number of inputs "
@@ -100,8 +137,15 @@ def parallel_apply(
             f"{len(kwargs_tup)}"
         )
     if devices is None:
-        raise ValueError("fastdp.parallel_apply: devices are required")
-    devs = [as_device(d) for d in devices]
+        devs = [_infer_device(x) for x in inputs]
+    elif len(devices) != len(modules):
+        raise AssertionError(
+            f"The number of modules {len(modules)} is not equal to the number of devices "
+            f"{len(devices)}"
+        )
+    else:
+        devs = [as_device(d) for d in devices]
+    _wait_for_stragglers()
     state = capture_state()
     results: list[Any] = [None] * len(modules)
 
@@ -111,10 +155,14 @@ def parallel_apply(
     if len(modules) > 1:
         threads = [threading.Thread(target=work, args=(i,), daemon=True)
                    for i in range(len(modules))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                _join(t)
+        except BaseException:  # KeyboardInterrupt: return at once, let the replicas finish alone
+            _stragglers.extend(t for t in threads if t.is_alive())
+            raise
     elif modules:
         work(0)
     raise_first_error(results)
@@ -126,4 +174,18 @@ def raise_first_error(results: Sequence[Any]) -> None:
     errors = [out for out in results if isinstance(out, ExceptionWrapper)]
     if errors:
         first = next((e for e in errors if not issubclass(e.exc_type, ReplicaAborted)), errors[0])
-        first.reraise()
+        reraise(first)
+
+
+def reraise(wrapper: ExceptionWrapper) -> None:
+    """``wrapper.reraise()`` without its reference cycle.
+
+    ``ExceptionWrapper.reraise`` keeps the exception in a local of its own frame, which the
+    exception's traceback holds: a cycle that keeps the failed step (replicas, inputs, the wrapper
+    and its workers) alive until the garbage collector runs. Clearing that finished frame breaks it.
+    """
+    try:
+        wrapper.reraise()
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # skips frames still executing (this one)
+        raise

@@ -1,0 +1,250 @@
+"""Faults on CPU replicas: a replica that raises, Ctrl-C mid-step, deleting the wrapper.
+
+Each test measures the thread count after a warm-up step (persistent worker threads, when there are
+any, exist by then) and requires it to be the same after the fault, and the next step to match the
+plain module on the whole batch (outputs and gradients).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import copy
+import gc
+import os
+import signal
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from fastdp import FastDataParallel
+
+CPU4 = ["cpu"] * 4
+
+
+@pytest.fixture(autouse=True)
+def _every_backend(backend):
+    """Every test runs with the extension allowed (``ext``) and forced off (``torch``)."""
+    yield backend
+
+
+class Faulty(nn.Module):
+    """A linear layer whose forward can raise in one replica or sleep in all of them.
+
+    The replica is recognised by its chunk: column 0 of the input holds the replica's index.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.raise_in: int | None = None
+        self.sleep_s = 0.0
+        self.finished: list[tuple[int, float]] = []  # (chunk, sleep) of each finished forward
+
+    def forward(self, x):
+        k = int(x[0, 0].item()) if x.numel() else -1
+        slow = self.sleep_s
+        if slow:
+            time.sleep(slow)
+        if k == self.raise_in:
+            raise ValueError(f"boom in chunk {k}")
+        out = self.bn(self.lin(x))
+        self.finished.append((k, slow))
+        return out
+
+
+def batch(n: int, rows: int = 2) -> torch.Tensor:
+    x = torch.randn(n * rows, 4)
+    x[:, 0] = torch.arange(n).repeat_interleave(rows).float()
+    return x
+
+
+def wait_threads(target: int, timeout: float = 5.0) -> int:
+    """The thread count once it has dropped to ``target`` (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while threading.active_count() > target and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threading.active_count()
+
+
+def check_step_matches_plain(fdp: FastDataParallel, n: int) -> None:
+    """One training step equals the plain module's: outputs, input and parameter gradients."""
+    module = fdp.module
+    ref = Faulty()
+    ref.load_state_dict(module.state_dict())
+    x = batch(n).requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = fdp(x)
+    out.square().sum().backward()
+    # The reference: BatchNorm statistics are per chunk in DataParallel, so run chunk by chunk.
+    ref_out = torch.cat([ref(c) for c in xr.chunk(n)])
+    ref_out.square().sum().backward()
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x.grad, xr.grad)
+    for (name, p), q in zip(module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@contextlib.contextmanager
+def armed_sigint():
+    """A SIGINT handler that raises KeyboardInterrupt only while armed (never kills the run)."""
+    state = {"armed": True}
+
+    def handler(signum, frame):
+        if state["armed"]:
+            raise KeyboardInterrupt
+
+    prev = signal.signal(signal.SIGINT, handler)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, prev)
+
+
+@pytest.mark.parametrize("n,bad", [(2, 1), (4, 0), (4, 3)])
+def test_exception_in_one_replica(n, bad):
+    model = Faulty()
+    fdp = FastDataParallel(model, ["cpu"] * n)
+    fdp(batch(n))  # warm-up
+    threads = threading.active_count()
+    model.finished.clear()
+    model.raise_in, model.sleep_s = bad, 0.05
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"Caught ValueError in replica {bad} on device cpu"):
+        fdp(batch(n))
+    assert time.monotonic() - start < 5.0
+    assert sorted(k for k, _ in model.finished) == [k for k in range(n) if k != bad]
+    assert wait_threads(threads) == threads
+    assert all(p.grad is None for p in model.parameters())
+    model.raise_in, model.sleep_s = None, 0.0
+    check_step_matches_plain(fdp, n)
+    assert wait_threads(threads) == threads
+
+
+def test_failed_step_leaves_no_reference_cycle():
+    """Regression: ExceptionWrapper.reraise's frame held the exception (a cycle through its
+    traceback), so a failed step kept the wrapper, its replicas and its workers alive until the
+    garbage collector ran."""
+    baseline = threading.active_count()
+    model = Faulty()
+    fdp = FastDataParallel(model, CPU4)
+    fdp(batch(4))
+    model.raise_in = 2
+    gc.collect()
+    with pytest.raises(ValueError, match="Caught ValueError in replica 2") as excinfo:
+        fdp(batch(4))
+    del excinfo  # the traceback holds the step's frames
+    gc.collect()  # unrelated garbage from earlier tests; fdp and model are still referenced here
+    refs = [weakref.ref(fdp), weakref.ref(model)]
+    gc.disable()
+    try:
+        del fdp, model  # reference counting alone releases everything
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+    assert wait_threads(baseline) == baseline
+
+
+@pytest.mark.parametrize("how", ["interrupt_main", "sigint"])
+def test_keyboard_interrupt_mid_step(how):
+    model = Faulty()
+    fdp = FastDataParallel(model, CPU4)
+    fdp(batch(4))  # warm-up
+    threads = threading.active_count()
+    before = copy.deepcopy(model.state_dict())
+    model.finished.clear()
+    model.sleep_s = 1.5
+
+    def fire():
+        if how == "interrupt_main":
+            _thread.interrupt_main()
+        else:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    x1 = batch(4)
+    with armed_sigint() as state:
+        timer = threading.Timer(0.2, fire)
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            fdp(x1)
+        elapsed = time.monotonic() - start
+        state["armed"] = False
+        timer.join()
+    assert elapsed < 1.0, f"control came back after {elapsed:.2f} s"
+
+    # The next step: it waits for the interrupted replicas (they cannot be stopped) and is right.
+    model.sleep_s = 0.0
+    x2 = batch(4).requires_grad_()
+    out = fdp(x2)
+    assert [slow for _, slow in model.finished] == [1.5] * 4 + [0.0] * 4  # never overlapping
+    out.square().sum().backward()
+    ref = Faulty()
+    ref.load_state_dict(before)
+    ref(x1.chunk(4)[0])  # the interrupted step's replica 0 still updated the running stats
+    x2r = x2.detach().clone().requires_grad_()
+    chunks = x2r.chunk(4)
+    outs = [ref(chunks[0])]  # only replica 0's running-stat update reaches the module
+    stats = {k: v.clone() for k, v in ref.bn.named_buffers()}
+    outs += [ref(c) for c in chunks[1:]]
+    ref_out = torch.cat(outs)
+    ref_out.square().sum().backward()
+    with torch.no_grad():
+        for k, v in stats.items():
+            getattr(ref.bn, k).copy_(v)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x2.grad, x2r.grad)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(ref.bn, name), msg=name)
+    assert wait_threads(threads) == threads  # no thread left behind, none blocked
+
+
+def test_deleting_wrapper_releases_threads_and_replicas():
+    baseline = threading.active_count()
+    refs: list[weakref.ref] = []
+
+    class Spy(FastDataParallel):
+        def replicate(self, module, device_ids):
+            replicas = super().replicate(module, device_ids)
+            refs.extend(weakref.ref(r) for r in replicas)
+            return replicas
+
+    model = Faulty()
+    fdp = Spy(model, CPU4)
+    for _ in range(3):
+        fdp(batch(4)).sum().backward()
+    refs += [weakref.ref(fdp), weakref.ref(model)]
+    params = [weakref.ref(p) for p in model.parameters()]
+    del fdp, model
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert all(r() is None for r in params)
+    assert wait_threads(baseline) == baseline
+
+
+@pytest.mark.parametrize("finish", ["backward", "no_backward", "no_grad"])
+def test_parameters_freed_after_wrapper_deleted(finish):
+    """Regression: the C++ Refresh node owned its RefreshState, whose tensors had that node as
+    grad_fn, a C++ reference cycle: every wrapper leaked its model, replicas and gradients."""
+    refs = []
+    for _ in range(3):
+        model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
+        fdp = FastDataParallel(model, CPU4)
+        for _ in range(2):
+            with torch.set_grad_enabled(finish != "no_grad"):
+                out = fdp(torch.randn(16, 64))
+            if finish == "backward":
+                out.sum().backward()
+        refs += [weakref.ref(p) for p in model.parameters()]
+        refs += [weakref.ref(b) for b in model.buffers()]
+        del fdp, model, out
+    gc.collect()
+    assert all(r() is None for r in refs)
