@@ -27,8 +27,15 @@ at::Tensor empty_cat_output(const std::vector<at::Tensor>& tensors, int64_t dim,
   TORCH_CHECK(!tensors.empty(), op, ": expected at least one tensor, got 0");
   std::vector<at::Tensor> metas;
   metas.reserve(tensors.size());
+  const at::Tensor* first = nullptr;  // the first tensor torch.cat does not skip
   for (size_t k = 0; k < tensors.size(); ++k) {
     const at::Tensor& t = tensors[k];
+    const bool skipped = t.dim() == 1 && t.numel() == 0;  // legacy empty tensor
+    if (first == nullptr && !skipped) first = &t;
+    // torch.cat's own CPU text (the meta kernel words it differently).
+    TORCH_CHECK(skipped || first->dim() == t.dim(),
+                "Tensors must have same number of dimensions: got ", first->dim(), " and ",
+                t.dim());
     TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op,
                 ": expected every tensor to have dtype ", tensors[0].scalar_type(),
                 " (no type promotion), got ", t.scalar_type(), " for tensor ", k);

@@ -172,6 +172,7 @@ def scatter_leaves(
     ``plan[i]`` are leaf i's chunk sizes along ``dims[i]`` (one per device). Chunks that stay on the
     leaf's device are views; the others are copies (non-blocking from pinned memory).
     """
+    devices = [d if isinstance(d, torch.device) else as_device(d) for d in devices]
     ext = _copy_ext(leaves, devices)
     if ext is not None:
         out = [list(r) for r in ext.scatter_chunks(list(leaves), [list(p) for p in plan],

@@ -168,6 +168,11 @@ def test_gather_rejects_empty_list():
         _C.gather_into([], 0, torch.device("cpu"))
 
 
+def test_gather_rejects_ndim_mismatch_with_torch_cat_text():
+    with pytest.raises(RuntimeError, match="same number of dimensions: got 2 and 3"):
+        _C.gather_into([torch.zeros(2, 3), torch.zeros(1, 2, 3)], 0, torch.device("cpu"))
+
+
 def test_gather_rejects_mismatched_shapes_like_cat():
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
         _C.gather_into([torch.zeros(2, 3), torch.zeros(2, 4)], 0, torch.device("cpu"))
