@@ -7,9 +7,12 @@
 #include "build_info.h"
 #include "comm.h"
 #include "comm_buckets.h"
+#include "gather.h"
 #include "planner.h"
 #include "refresh.h"
+#include "scatter.h"
 #include "signature.h"
+#include "transfer.h"
 
 namespace py = pybind11;
 
@@ -140,4 +143,69 @@ PYBIND11_MODULE(_C, m) {
       py::arg("devices"),
       "The cached NCCL communicators for CUDA device indices `devices` (rank order), created on "
       "first use: a list of (cuda device, rank, number of ranks). Raises without NCCL.");
+  // --- scatter / gather (issue 3) ---------------------------------------------------------------
+  m.def(
+      "scatter_chunks",
+      [](const std::vector<at::Tensor>& leaves, const std::vector<std::vector<int64_t>>& plan,
+         const std::vector<int64_t>& dims, const std::vector<at::Device>& devices) {
+        py::gil_scoped_release no_gil;
+        return fastdp::scatter_chunks(leaves, plan, dims, devices);
+      },
+      py::arg("leaves"), py::arg("plan"), py::arg("dims"), py::arg("devices"),
+      "Fused chunked scatter. result[r][i] is chunk r of leaves[i] (plan[i][r] slices along "
+      "dims[i]; dims: one per leaf or a single one for all) on devices[r], equal to "
+      "leaves[i].split(plan[i], dim)[r].to(devices[r]): a view when it stays on the leaf's device, "
+      "else a view into one buffer per destination device filled by one staged/peer copy. CUDA "
+      "results are ordered on each device's current stream.");
+  m.def(
+      "scatter_chunks",
+      [](const std::vector<at::Tensor>& leaves, const std::vector<std::vector<int64_t>>& plan,
+         int64_t dim, const std::vector<at::Device>& devices) {
+        py::gil_scoped_release no_gil;
+        return fastdp::scatter_chunks(leaves, plan, {dim}, devices);
+      },
+      py::arg("leaves"), py::arg("plan"), py::arg("dim"), py::arg("devices"),
+      "scatter_chunks with one dim for every leaf.");
+  m.def(
+      "gather_into",
+      [](const std::vector<at::Tensor>& tensors, int64_t dim, at::Device destination) {
+        py::gil_scoped_release no_gil;
+        return fastdp::gather_into(tensors, dim, destination);
+      },
+      py::arg("tensors"), py::arg("dim"), py::arg("destination"),
+      "torch.cat([t.to(destination) for t in tensors], dim) with one output allocation and one "
+      "copy per tensor straight into its slice. All tensors share one dtype.");
+  m.def(
+      "pinned_pool_stats",
+      []() {
+        py::gil_scoped_release no_gil;
+        return fastdp::pinned_pool_stats();
+      },
+      "Counters of the pinned staging pool as (key, bytes-or-count) pairs: capacity, reserved, "
+      "lent, in_flight, blocks, allocations. Empty in a CPU-only build.");
+  m.def(
+      "pinned_pool_set_capacity",
+      [](int64_t bytes) {
+        py::gil_scoped_release no_gil;
+        return fastdp::pinned_pool_set_capacity(bytes);
+      },
+      py::arg("bytes"),
+      "Set the pinned pool's capacity in bytes (0 disables staging); returns the previous one.");
+  m.def(
+      "pinned_pool_empty_cache",
+      []() {
+        py::gil_scoped_release no_gil;
+        fastdp::pinned_pool_empty_cache();
+      },
+      "Free every idle pinned staging block (lent and in-flight blocks stay).");
+  m.def(
+      "peer_access",
+      [](int64_t a, int64_t b) {
+        py::gil_scoped_release no_gil;
+        return fastdp::peer_access(a, b);
+      },
+      py::arg("a"), py::arg("b"),
+      "Whether copies between CUDA devices a and b go peer to peer (enabled and verified once; "
+      "FASTDP_P2P=0 disables). False in a CPU-only build.");
+  // --- end scatter / gather ----------------------------------------------------------------------
 }

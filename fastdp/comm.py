@@ -7,7 +7,9 @@ strings or ``torch.device``. Outputs carry no autograd history (use ``fastdp._fu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -46,6 +48,31 @@ def _coalesced_op(
         if not ext.coalesced_supported(tensors, reduce):
             return None
     return getattr(ext, name)
+@functools.cache
+def _ext_has_cuda() -> bool:
+    return _backend.build_info().get("built_with_cuda") == "1"
+
+
+def _copy_ext(
+    tensors: Sequence[torch.Tensor], devices: Sequence[torch.device], *, one_dtype: bool = False
+) -> ModuleType | None:
+    """The extension when its fused scatter/gather serve this case, else None (the torch path).
+
+    Served: dense strided, non-quantized tensors of at least one dimension on CPU or CUDA devices
+    (CUDA ones only by a CUDA build); ``one_dtype``: all of one dtype (a byte copy does no type
+    promotion, torch.cat does).
+    """
+    ext = _backend.ext()
+    if ext is None or not hasattr(ext, "scatter_chunks"):
+        return None
+    kinds = {t.device.type for t in tensors} | {d.type for d in devices}
+    if not kinds <= {"cpu", "cuda"} or ("cuda" in kinds and not _ext_has_cuda()):
+        return None
+    if not all(t.layout == torch.strided and not t.is_quantized and t.dim() > 0 for t in tensors):
+        return None
+    if one_dtype and len({t.dtype for t in tensors}) > 1:
+        return None
+    return ext
 
 
 def broadcast_coalesced(
@@ -170,15 +197,19 @@ def scatter_leaves(
     ``plan[i]`` are leaf i's chunk sizes along ``dims[i]`` (one per device). Chunks that stay on the
     leaf's device are views; the others are copies (non-blocking from pinned memory).
     """
-    ext = _backend.ext()
-    if ext is not None and hasattr(ext, "scatter_chunks") and _dense(leaves):
-        return [list(r) for r in ext.scatter_chunks(list(leaves), [list(p) for p in plan],
-                                                    list(dims), list(devices))]
-    out: list[list[torch.Tensor]] = [[] for _ in devices]
+    devices = [d if isinstance(d, torch.device) else as_device(d) for d in devices]
+    ext = _copy_ext(leaves, devices)
+    if ext is not None:
+        out = [list(r) for r in ext.scatter_chunks(list(leaves), [list(p) for p in plan],
+                                                   list(dims), list(devices))]
+        return out + [[] for _ in devices[len(out):]]
+    out = [[] for _ in devices]
     for leaf, sizes, dim in zip(leaves, plan, dims):
         for r, chunk in enumerate(leaf.split(list(sizes), dim)):
             dev = devices[r]
-            out[r].append(chunk if chunk.device == dev else chunk.to(dev, non_blocking=True))
+            # non_blocking only towards a GPU: a non-blocking D2H could be read before it landed.
+            out[r].append(chunk if chunk.device == dev else
+                          chunk.to(dev, non_blocking=dev.type == "cuda"))
     return out
 
 
@@ -200,10 +231,10 @@ def gather(
             dest = torch.device("cuda", torch.cuda.current_device())
     else:
         dest = as_device(destination)
-    ext = _backend.ext()
-    if ext is not None and hasattr(ext, "gather_into") and _dense(tensors):
+    ext = _copy_ext(tensors, [dest], one_dtype=True)
+    if ext is not None:
         return ext.gather_into(list(tensors), dim, dest)
-    return torch.cat([t.to(dest, non_blocking=True) for t in tensors], dim)
+    return torch.cat([t.to(dest, non_blocking=dest.type == "cuda") for t in tensors], dim)
 
 
 def plan_chunks(

@@ -1,0 +1,58 @@
+#include "copy_layout.h"
+
+#include <ATen/ExpandUtils.h>
+#include <c10/core/TensorImpl.h>
+
+namespace fastdp {
+
+std::vector<int64_t> to_copy_strides(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return t.strides().vec();
+  return at::infer_dense_strides(t.sizes(), t.strides());
+}
+
+at::Tensor view_into(const at::Tensor& buffer, int64_t byte_offset, at::ScalarType dtype,
+                     at::IntArrayRef sizes, at::IntArrayRef strides) {
+  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_INTERNAL_ASSERT(byte_offset % itemsize == 0, "fastdp: misaligned region offset ",
+                        byte_offset, " for element size ", itemsize);
+  const int64_t base = buffer.storage_offset() * buffer.element_size() + byte_offset;
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(buffer.storage()), buffer.key_set(), caffe2::TypeMeta::fromScalarType(dtype));
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, base / itemsize);
+  return out;
+}
+
+at::Tensor empty_cat_output(const std::vector<at::Tensor>& tensors, int64_t dim,
+                            at::Device destination, const char* op) {
+  TORCH_CHECK(!tensors.empty(), op, ": expected at least one tensor, got 0");
+  std::vector<at::Tensor> metas;
+  metas.reserve(tensors.size());
+  const at::Tensor* first = nullptr;  // the first tensor torch.cat does not skip
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const at::Tensor& t = tensors[k];
+    const bool skipped = t.dim() == 1 && t.numel() == 0;  // legacy empty tensor
+    if (first == nullptr && !skipped) first = &t;
+    // torch.cat's own CPU text (the meta kernel words it differently).
+    TORCH_CHECK(skipped || first->dim() == t.dim(),
+                "Tensors must have same number of dimensions: got ", first->dim(), " and ",
+                t.dim());
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op,
+                ": expected every tensor to have dtype ", tensors[0].scalar_type(),
+                " (no type promotion), got ", t.scalar_type(), " for tensor ", k);
+    // t.to(destination) is t itself on its own device, a dense copy elsewhere.
+    const bool stays = t.device() == destination;
+    metas.push_back(at::empty_strided(t.sizes(), stays ? t.strides().vec() : to_copy_strides(t),
+                                      t.options().device(at::kMeta)));
+  }
+  const at::Tensor meta = at::cat(metas, dim);
+  return at::empty_strided(meta.sizes(), meta.strides(),
+                           tensors[0].options().device(destination).pinned_memory(false));
+}
+
+std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> offsets(sizes.size(), 0);
+  for (size_t r = 1; r < sizes.size(); ++r) offsets[r] = offsets[r - 1] + sizes[r - 1];
+  return offsets;
+}
+
+}  // namespace fastdp

@@ -1,0 +1,63 @@
+#pragma once
+// Pooled, bounded pinned host memory for staging copies, and each device's background copy stream.
+// See NOTE [ Pinned staging ] in pinned_pool.cpp.
+
+#include "cuda/cuda_event.h"  // first: see its comment
+
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "transfer.h"
+
+namespace fastdp {
+
+struct PinnedBlockState;
+
+// A pinned host block lent by the pool. Move-only; returned to the pool on destruction. Copies that
+// read or write it must be followed by record(stream) before the handle dies: the pool then lends
+// the block again only once every recorded event completed. Empty (false) when the pool could not
+// serve the request; callers then take an unstaged path.
+class PinnedBlock {
+ public:
+  PinnedBlock() = default;
+  explicit PinnedBlock(PinnedBlockState* state) : state_(state) {}
+  PinnedBlock(PinnedBlock&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+  PinnedBlock& operator=(PinnedBlock&& other) noexcept;
+  PinnedBlock(const PinnedBlock&) = delete;
+  PinnedBlock& operator=(const PinnedBlock&) = delete;
+  ~PinnedBlock() { reset(); }
+
+  explicit operator bool() const { return state_ != nullptr; }
+  void* data() const;
+  size_t size() const;
+  // Marks the block in use by the work enqueued so far on `stream` (any device).
+  void record(const c10::cuda::CUDAStream& stream);
+  // Returns the block to the pool now (after its recorded events, for reuse).
+  void reset();
+
+ private:
+  PinnedBlockState* state_ = nullptr;
+};
+
+// A block of at least `bytes` (> 0) bytes. May wait on the oldest in-flight block when the pool is
+// at capacity (an event wait, never a device sync). Empty when bytes exceed the capacity
+// (FASTDP_PINNED_POOL_MB, default 256; 0 disables staging) or cudaHostAlloc fails.
+PinnedBlock pinned_acquire(size_t bytes);
+
+// pinned_pool_stats, pinned_pool_set_capacity and pinned_pool_empty_cache: see transfer.h.
+
+// The background stream of `device` that staged host-to-device copies run on (one per device,
+// taken once from torch's stream pool, never the default stream).
+c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device);
+
+// The window used to pipeline a staged copy of `total` bytes: all of it when small, else a fixed
+// size under half the capacity so that packing one window overlaps the copy of the previous one.
+size_t staging_window(size_t total);
+
+}  // namespace fastdp

@@ -1,0 +1,61 @@
+#include "scatter.h"
+
+#include <ATen/WrapDimUtils.h>
+#include <c10/core/GradMode.h>
+
+#include "cpu/scatter_cpu.h"
+#ifdef WITH_CUDA
+#include "cuda/scatter_cuda.h"
+#endif
+
+namespace fastdp {
+
+std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor>& leaves,
+                                                    const std::vector<std::vector<int64_t>>& plan,
+                                                    const std::vector<int64_t>& dims,
+                                                    const std::vector<at::Device>& devices) {
+  constexpr const char* op = "fastdp.scatter_chunks";
+  TORCH_CHECK(plan.size() == leaves.size(), op, ": expected one plan row per leaf (",
+              leaves.size(), "), got ", plan.size());
+  const size_t replicas = plan.empty() ? 0 : plan[0].size();
+  TORCH_CHECK(replicas <= devices.size(), op, ": the plan has ", replicas,
+              " chunks per leaf but only ", devices.size(), " devices were given");
+  TORCH_CHECK(dims.size() == 1 || dims.size() == leaves.size(), op,
+              ": expected one dim for all leaves or one per leaf (", leaves.size(), "), got ",
+              dims.size());
+  std::vector<int64_t> wrapped(leaves.size());
+  bool any_cuda = false;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    const at::Tensor& leaf = leaves[i];
+    TORCH_CHECK(leaf.defined() && leaf.layout() == at::kStrided && !leaf.is_quantized(), op,
+                ": leaf ", i, " must be a dense strided tensor");
+    TORCH_CHECK(leaf.dim() > 0, op, ": leaf ", i, " is 0-dimensional and cannot be chunked");
+    const int64_t d = at::maybe_wrap_dim(dims[dims.size() == 1 ? 0 : i], leaf.dim());
+    wrapped[i] = d;
+    TORCH_CHECK(plan[i].size() == replicas, op, ": expected ", replicas, " chunk sizes for leaf ",
+                i, ", got ", plan[i].size());
+    int64_t total = 0;
+    for (int64_t n : plan[i]) {
+      TORCH_CHECK(n >= 0, op, ": chunk sizes must be non-negative, got ", n, " for leaf ", i);
+      total += n;
+    }
+    TORCH_CHECK(total == leaf.size(d), op, ": chunk sizes of leaf ", i, " sum to ", total,
+                " but its size along dim ", d, " is ", leaf.size(d));
+    any_cuda = any_cuda || leaf.is_cuda();
+  }
+  for (size_t r = 0; r < replicas; ++r) {
+    TORCH_CHECK(devices[r].is_cpu() || devices[r].is_cuda(), op,
+                ": expected CPU or CUDA devices, got ", devices[r]);
+    any_cuda = any_cuda || devices[r].is_cuda();
+  }
+  c10::NoGradGuard no_grad;
+  if (!any_cuda) return scatter_cpu(leaves, plan, wrapped);
+#ifdef WITH_CUDA
+  return scatter_cuda(leaves, plan, wrapped,
+                      std::vector<at::Device>(devices.begin(), devices.begin() + replicas));
+#else
+  TORCH_CHECK(false, op, ": CUDA tensors or devices given, but fastdp was built without CUDA");
+#endif
+}
+
+}  // namespace fastdp

@@ -1,0 +1,35 @@
+#include "transfer.h"
+
+#include <c10/util/Exception.h>
+
+#ifdef WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+
+#include "cuda/peer_access.h"
+#endif
+
+namespace fastdp {
+
+#ifdef WITH_CUDA
+// pinned_pool_stats, pinned_pool_set_capacity, pinned_pool_empty_cache: cuda/pinned_pool.cpp.
+
+bool peer_access(int64_t a, int64_t b) {
+  const int64_t n = c10::cuda::device_count();
+  TORCH_CHECK(a >= 0 && a < n && b >= 0 && b < n,
+              "fastdp.peer_access: expected device indices in [0, ", n, "), got ", a, " and ", b);
+  return p2p_usable(static_cast<c10::DeviceIndex>(a), static_cast<c10::DeviceIndex>(b));
+}
+#else
+std::vector<std::pair<std::string, int64_t>> pinned_pool_stats() { return {}; }
+
+int64_t pinned_pool_set_capacity(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "fastdp.pinned_pool_set_capacity: expected bytes >= 0, got ", bytes);
+  return 0;
+}
+
+void pinned_pool_empty_cache() {}
+
+bool peer_access(int64_t /*a*/, int64_t /*b*/) { return false; }
+#endif
+
+}  // namespace fastdp
