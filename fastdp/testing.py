@@ -17,6 +17,9 @@ NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 # Where multi-replica tests run: CPU virtual replicas always, replicas sharing cuda:0 when present.
 DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 BACKENDS = ["ext", "torch"]
+# The dtypes every copy-like op is tested over (bit-exact against its torch reference).
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool,
+          torch.complex64]
 
 onlyCUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 onlyMultiGPU = pytest.mark.skipif(NUM_GPUS < 2, reason="needs two distinct CUDA GPUs")

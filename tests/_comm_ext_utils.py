@@ -9,18 +9,10 @@ import torch
 from torch.testing import make_tensor
 
 from fastdp import _backend
+from fastdp.testing import DTYPES
 
 _C = _backend._ext
 CPU = torch.device("cpu")
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-]
 NUM_DEVICES = [1, 2, 3, 8]
 
 

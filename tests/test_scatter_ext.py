@@ -11,6 +11,8 @@ import itertools
 import pytest
 import torch
 
+from fastdp.testing import DTYPES
+
 try:
     from fastdp import _C
 except ImportError as e:  # pragma: no cover - no build
@@ -26,15 +28,6 @@ onlyMultiGPU = pytest.mark.skipif(
     not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 distinct GPUs"
 )
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-]
 
 
 def make(shape, dtype, device="cpu"):
