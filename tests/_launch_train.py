@@ -5,6 +5,7 @@
 Rank 0 saves the final bare state dict, the global loss of every step and the wrapper's type.
 """
 
+import os
 import sys
 
 import torch
@@ -41,6 +42,14 @@ def main(out_path: str) -> None:
                     "wrapper": type(model).__name__}, out_path)
     if dist.is_initialized():
         dist.destroy_process_group()
+        # NOTE [ gloo threads at interpreter exit ]: destroy_process_group does not join gloo's
+        # worker threads, and one may still be freeing the last collective's work (tensors that
+        # Python owns) when the interpreter finalizes; taking the GIL then kills the thread inside
+        # a noexcept destructor: std::terminate, "terminate called without an active exception"
+        # (torch's bug: pytorch issue #190489, PR #179291). Everything is written: skip finalization.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
