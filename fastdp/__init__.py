@@ -8,7 +8,7 @@ from fastdp.checkpoint import unwrap
 from fastdp.criterion import ParallelCriterion, Scattered
 from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.launch import shard_batch, wrap
-from fastdp.doctor import doctor  # noqa: E402  (after the modules it checks)
+from fastdp._doctor import doctor  # after the modules it checks
 
 __all__ = [
     "FastDataParallel",

@@ -12,7 +12,7 @@ import torch
 
 import fastdp
 from fastdp import _backend
-from fastdp.doctor import main
+from fastdp._doctor import main
 
 needs_ext = pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 

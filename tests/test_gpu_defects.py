@@ -63,12 +63,37 @@ def test_default_archs_are_valid_for_torchs_flags(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", default_archs("13.0"))
     flags = _get_cuda_arch_flags()
-    assert "-gencode=arch=compute_90,code=compute_90" in flags or any(
-        f.endswith("code=compute_120") for f in flags)
+    assert "-gencode=arch=compute_120,code=compute_120" in flags  # PTX of the newest
     assert "-gencode=arch=compute_75,code=sm_75" in flags
+    assert "-gencode=arch=compute_90,code=sm_90" in flags
 
 
-# ---- GPU: ordering of cross-device copies (NOTE [ Peer access ]) ----------------------------------
+def _nvcc() -> str | None:
+    import shutil
+
+    home = os.environ.get("CUDA_HOME")
+    path = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
+    return path if path and os.path.exists(path) else None
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="no nvcc on this machine")
+def test_default_archs_compile_with_this_nvcc(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from torch.utils.cpp_extension import _get_cuda_arch_flags
+
+    nvcc = _nvcc()
+    release = re.search(r"release (\d+\.\d+)", subprocess.run(
+        [nvcc, "--version"], capture_output=True, text=True).stdout).group(1)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", default_archs(release))
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k(float* x) { x[threadIdx.x] += 1.f; }\n")
+    r = subprocess.run([nvcc, "-c", str(src), "-o", str(tmp_path / "k.o"),
+                        *_get_cuda_arch_flags()], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+# ---- GPU: ordering of cross-device copies (NOTE [ Peer access ]) -------------------------------
 
 def _delay(device: int) -> None:
     """Holds `device`'s current stream busy for a while (~50 ms) without the host waiting."""
