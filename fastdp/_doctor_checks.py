@@ -58,7 +58,7 @@ def _source(t: torch.Tensor, where: str) -> torch.Tensor:
         out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
     else:
         out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cuda:0")
-    out.copy_(t.resolve_conj())
+    out.copy_(t.conj() if t.is_conj() else t)  # the bits under a conj view, then the same view
     return out.conj() if t.is_conj() else out
 
 
