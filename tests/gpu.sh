@@ -80,8 +80,9 @@ stage_sanitize() {
       echo "gpu.sh: compute-sanitizer not found"; return 1
     else
       # No caching allocator under memcheck: out-of-bounds accesses inside a cached block show.
-      PYTORCH_NO_CUDA_MEMORY_CACHING=$([ $tool = memcheck ] && echo 1 || echo 0) \
-        timeout 170 "$san" --tool "$tool" --error-exitcode 3 --print-limit 20 \
+      local nocache=()
+      [ "$tool" = memcheck ] && nocache=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+      env "${nocache[@]}" timeout 170 "$san" --tool "$tool" --error-exitcode 3 --print-limit 20 \
         "$PY" -m fastdp.doctor -k "[0,0]" || { echo "gpu.sh: $tool failed (rc $?)"; rc=1; }
     fi
   done
