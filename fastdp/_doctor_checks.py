@@ -142,14 +142,15 @@ def check_p2p() -> str:
         for b in range(a + 1, n):
             reported = torch.cuda.can_device_access_peer(a, b)
             direct = ext.peer_access(a, b)
-            rows.append(f"{a}-{b}:{'direct' if direct else 'staged'}")
+            rows.append(f"{a}-{b}:{'reported' if reported else 'none'}/"
+                        f"{'enabled+verified' if direct else 'staged'}")
             if reported and not direct and not _p2p_off():
                 bad.append(f"cuda:{a}<->cuda:{b}")
     if bad:
         raise Mismatch(f"peer access reported but its verification copy failed between "
                        f"{', '.join(bad)} (fastdp stages those copies; torch's own copies between "
                        "them may be wrong)")
-    return ("FASTDP_P2P=0: all staged" if _p2p_off() else "verified: ") + " ".join(rows)
+    return ("FASTDP_P2P=0, all staged: " if _p2p_off() else "") + " ".join(rows)
 
 
 def _p2p_off() -> bool:
