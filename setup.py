@@ -7,20 +7,24 @@ CPU-only build otherwise.  Environment:
   FASTDP_FORCE_CUDA=1   CUDA build or a loud failure saying why not.
   DEBUG=1               -O0 -g instead of -O3.
   NVCC_FLAGS            extra flags for nvcc.
-  TORCH_CUDA_ARCH_LIST  archs to build for; without a visible GPU the default is DEFAULT_ARCHS.
+  TORCH_CUDA_ARCH_LIST  archs to build for; without a visible GPU the default is
+                        fastdp/_archs.py's default_archs (SASS 7.5-9.0 (+7.0 before CUDA 13,
+                        +10.0;12.0 from CUDA 12.8) and PTX of the newest).
   CUDA_HOME             toolkit root; found from the nvcc on PATH when unset (wrapper scripts too).
 """
 
 import glob
 import os
 import re
+import runpy
 import shutil
 import sys
 
 from setuptools import find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "8.0;9.0"
+# The arch-list decision, loaded by path: importing the fastdp package would need the extension.
+_ARCHS = runpy.run_path(os.path.join(HERE, "fastdp", "_archs.py"))
 
 
 def read_version() -> str:
@@ -119,12 +123,11 @@ def make_extension():
     include_dirs = [os.path.join(HERE, "csrc")]
     library_dirs, libraries, link_args = [], [], []
     if with_cuda:
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
-            if not visible:
-                os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
-                print(f"fastdp: no GPU visible, TORCH_CUDA_ARCH_LIST={DEFAULT_ARCHS}",
-                      file=sys.stderr)
+        visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        chosen = _ARCHS["build_arch_list"](os.environ, torch.version.cuda, visible)
+        if chosen:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = chosen
+            print(f"fastdp: no GPU visible, TORCH_CUDA_ARCH_LIST={chosen}", file=sys.stderr)
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
         macros += [("WITH_CUDA", None), ("FASTDP_ARCH_LIST", f'"{archs}"')]
         extra["nvcc"] = opt + ["-lineinfo"] + os.environ.get("NVCC_FLAGS", "").split()

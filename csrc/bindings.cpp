@@ -207,5 +207,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("a"), py::arg("b"),
       "Whether copies between CUDA devices a and b go peer to peer (enabled and verified once; "
       "FASTDP_P2P=0 disables). False in a CPU-only build.");
+  m.def("_staging_window", &fastdp::staging_window_for, py::arg("total"), py::arg("capacity"),
+        "Diagnostics: the window of a host-staged copy of `total` bytes with a pinned pool of "
+        "`capacity` bytes (0: the pool cannot stage it).");
+  m.def("_staged_copy_window", &fastdp::staged_copy_window, py::arg("total"), py::arg("capacity"),
+        "Diagnostics: the window of a GPU-to-GPU copy staged through the host (no usable P2P).");
   // --- end scatter / gather ----------------------------------------------------------------------
 }

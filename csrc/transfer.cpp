@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #ifdef WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -9,6 +11,22 @@
 #endif
 
 namespace fastdp {
+namespace {
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr size_t kOneShot = 16 * kMiB;  // up to this, one block and one copy per device
+constexpr size_t kWindow = 8 * kMiB;    // beyond, windows this size pipeline pack and copy
+}  // namespace
+
+size_t staging_window_for(size_t total, size_t capacity) {
+  if (total <= std::min(capacity, kOneShot)) return total;
+  return std::min(capacity / 2, kWindow);
+}
+
+size_t staged_copy_window(size_t total, size_t capacity) {
+  const size_t w = staging_window_for(total, capacity);
+  if (w == total || w >= kMiB) return w;
+  return std::min(total, kWindow);  // staging off or a tiny pool: pageable windows
+}
 
 #ifdef WITH_CUDA
 // pinned_pool_stats, pinned_pool_set_capacity, pinned_pool_empty_cache: cuda/pinned_pool.cpp.

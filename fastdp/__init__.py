@@ -8,11 +8,13 @@ from fastdp.checkpoint import unwrap
 from fastdp.criterion import ParallelCriterion, Scattered
 from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.launch import shard_batch, wrap
+from fastdp._doctor import doctor  # after the modules it checks
 
 __all__ = [
     "FastDataParallel",
     "data_parallel",
     "info",
+    "doctor",
     "__version__",
     "Scattered",
     "ParallelCriterion",

@@ -2,6 +2,8 @@
 
 #include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
 
+#include <ATen/ATen.h>
+#include <ATen/cuda/PeerToPeerAccess.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,10 +16,40 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "cuda/pinned_pool.h"
+#include "transfer.h"
+
+// NOTE [ Peer access ]
+// Enabling is torch's: at::cuda::get_p2p_access(dev, peer) asks cudaDeviceCanAccessPeer and, when
+// it may, enables the access through CUDACachingAllocator::enablePeerAccess, which also maps the
+// allocator's expandable segments and cudaMallocAsync pools into the peer (cudaDeviceEnable-
+// PeerAccess alone does not cover them: a copy from such memory would fault). torch caches the
+// answer and its own copy_ uses the same one. fastdp adds only what torch does not know, cached
+// per pair (decide()): FASTDP_P2P=0, and a verification copy each way of 1 MiB of a known pattern
+// between tensors of the caching allocator (the memory real copies touch), through direct_copy (the
+// call real copies use). Any failure there (wrong bytes, a CUDA error, no memory for the check)
+// means "staged path" for the pair, once, with a warning; never an error on every scatter.
+//
+// Ordering of a direct copy (it runs on dst_stream): dst_stream first waits for src_stream (the
+// source is ready), and afterwards src_stream waits for dst_stream, so that work the caller
+// queues on the source's stream next (an in-place write, a free and reuse by the caching allocator)
+// cannot overtake the read. This is the two-way barrier of ATen's cross-device copy_. The staged
+// path reads the source with a D2H on src_stream itself, so it is ordered already.
+//
+// Why not ATen's copy_ for the direct copy: copy_ runs every cross-device copy on the SOURCE
+// device's current stream, so the N copies of one scatter from cuda:0 queue one behind another;
+// here each runs on its destination's stream and they overlap. copy_ also knows neither
+// FASTDP_P2P=0 nor a failed verification (it copies peer to peer whenever torch enabled access).
+// The figure (fastdp.comm.scatter vs torch.nn.parallel.comm.scatter from a GPU) is pending the
+// first multi-GPU run: `python -m fastdp.bench --suite multigpu-comm`.
+//
+// Staged path (no usable P2P): windows of staged_copy_window() (transfer.h) bytes, each D2H into a
+// pinned block on src_stream, an event, H2D on dst_stream; without a block (pool off or full of
+// lent blocks), through pageable memory with a src_stream synchronisation per window.
 
 namespace fastdp {
 namespace {
@@ -27,93 +59,55 @@ bool p2p_disabled_by_env() {
   return env != nullptr && std::strcmp(env, "0") == 0;
 }
 
-// Lets `device` access `peer`'s memory; an access already enabled (by torch, say) is fine.
-bool enable_access(c10::DeviceIndex device, c10::DeviceIndex peer) {
-  c10::cuda::CUDAGuard guard(device);
-  const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
-  if (err == cudaSuccess || err == cudaErrorPeerAccessAlreadyEnabled) {
-    (void)cudaGetLastError();
-    return true;
-  }
-  (void)cudaGetLastError();
-  return false;
+void direct_copy(void* dst, c10::DeviceIndex d, const void* src, c10::DeviceIndex s, size_t bytes,
+                 const c10::cuda::CUDAStream& dst_stream) {
+  c10::cuda::CUDAGuard guard(d);
+  C10_CUDA_CHECK(cudaMemcpyPeerAsync(dst, d, src, s, bytes, dst_stream));
 }
 
-// Sends 1 MiB of a known pattern from `from` to `to` with cudaMemcpyPeerAsync and reads it back.
+// Copies 1 MiB of a known pattern from `from` to `to` (tensors of the caching allocator) with
+// direct_copy and reads it back. Throws on CUDA errors and OOM; decide() catches.
 bool checksum_copy(c10::DeviceIndex from, c10::DeviceIndex to) {
-  constexpr size_t kBytes = size_t{1} << 20;
-  std::vector<uint32_t> sent(kBytes / 4), got(kBytes / 4, 0);
-  for (size_t k = 0; k < sent.size(); ++k) {
-    sent[k] = static_cast<uint32_t>(k * 2654435761u + 12345u);
+  constexpr int64_t kWords = (int64_t{1} << 20) / 4;
+  at::Tensor sent = at::empty({kWords}, at::kInt);
+  int32_t* p = sent.data_ptr<int32_t>();
+  for (int64_t k = 0; k < kWords; ++k) {
+    p[k] = static_cast<int32_t>(static_cast<uint32_t>(k) * 2654435761u + 12345u);
   }
-  void* a = nullptr;
-  void* b = nullptr;
-  bool ok = false;
-  {
-    c10::cuda::CUDAGuard guard(from);
-    C10_CUDA_CHECK(cudaMalloc(&a, kBytes));
-  }
-  {
-    c10::cuda::CUDAGuard guard(to);
-    const cudaError_t err = cudaMalloc(&b, kBytes);
-    if (err != cudaSuccess) {
-      c10::cuda::CUDAGuard g2(from);
-      C10_CUDA_CHECK_WARN(cudaFree(a));
-      C10_CUDA_CHECK(err);
-    }
-  }
-  {
-    const c10::cuda::CUDAStream s_from = c10::cuda::getStreamFromPool(false, from);
-    const c10::cuda::CUDAStream s_to = c10::cuda::getStreamFromPool(false, to);
-    c10::cuda::CUDAGuard guard(from);
-    cudaError_t err = cudaMemcpyAsync(a, sent.data(), kBytes, cudaMemcpyHostToDevice, s_from);
-    if (err == cudaSuccess) err = cudaStreamSynchronize(s_from);
-    if (err == cudaSuccess) {
-      c10::cuda::CUDAGuard g2(to);
-      err = cudaMemcpyPeerAsync(b, to, a, from, kBytes, s_to);
-      if (err == cudaSuccess) {
-        err = cudaMemcpyAsync(got.data(), b, kBytes, cudaMemcpyDeviceToHost, s_to);
-      }
-      if (err == cudaSuccess) err = cudaStreamSynchronize(s_to);
-    }
-    (void)cudaGetLastError();
-    ok = err == cudaSuccess && got == sent;
-  }
-  {
-    c10::cuda::CUDAGuard guard(from);
-    C10_CUDA_CHECK_WARN(cudaFree(a));
-  }
-  {
-    c10::cuda::CUDAGuard guard(to);
-    C10_CUDA_CHECK_WARN(cudaFree(b));
-  }
-  return ok;
+  at::Tensor a = sent.to(at::Device(at::kCUDA, from));  // synchronous: ready when it returns
+  at::Tensor b = at::empty({kWords}, sent.options().device(at::kCUDA, to));
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(to);
+  direct_copy(b.data_ptr(), to, a.data_ptr(), from, static_cast<size_t>(kWords * 4), stream);
+  return at::equal(b.cpu(), sent);  // b.cpu() runs on `stream` and synchronises it
 }
 
 bool decide(c10::DeviceIndex a, c10::DeviceIndex b) {
   if (p2p_disabled_by_env()) return false;
-  int ab = 0, ba = 0;
-  C10_CUDA_CHECK(cudaDeviceCanAccessPeer(&ab, a, b));
-  C10_CUDA_CHECK(cudaDeviceCanAccessPeer(&ba, b, a));
-  if (!ab || !ba || !enable_access(a, b) || !enable_access(b, a)) return false;
-  if (checksum_copy(a, b) && checksum_copy(b, a)) return true;
+  std::string why;
+  try {
+    if (!at::cuda::get_p2p_access(a, b) || !at::cuda::get_p2p_access(b, a)) return false;
+    if (checksum_copy(a, b) && checksum_copy(b, a)) return true;
+    why = "a verification copy returned wrong bytes";
+  } catch (const c10::Error& e) {
+    (void)cudaGetLastError();
+    why = std::string("enabling or verifying it failed: ") + e.what_without_backtrace();
+  }
   TORCH_WARN("fastdp: peer access between cuda:", static_cast<int>(a), " and cuda:",
-             static_cast<int>(b), " is reported but a verification copy returned wrong bytes; ",
-             "copies between them are staged through host memory (set FASTDP_P2P=0 to skip the ",
-             "check)");
+             static_cast<int>(b), " is reported but ", why, "; copies between them are staged ",
+             "through host memory (set FASTDP_P2P=0 to skip the check)");
   return false;
 }
 
-// Copies through pinned host blocks, window by window; without a block, through pageable memory
-// (the D2H then needs a stream synchronisation, still never a device-wide one).
+// See NOTE [ Peer access ] (staged path).
 void staged_copy(char* dst, const c10::cuda::CUDAStream& dst_stream, const char* src,
                  const c10::cuda::CUDAStream& src_stream, size_t bytes) {
-  const size_t window = std::max<size_t>(staging_window(bytes), 1);
+  const size_t window = staged_copy_window(bytes, pinned_pool_capacity());
+  std::vector<char> pageable;
   for (size_t off = 0; off < bytes; off += window) {
     const size_t n = std::min(window, bytes - off);
     PinnedBlock block = pinned_acquire(n);
-    std::vector<char> pageable;
-    void* host = block ? block.data() : (pageable.resize(n), pageable.data());
+    if (!block && pageable.size() < n) pageable.resize(n);
+    void* host = block ? block.data() : pageable.data();
     {
       c10::cuda::CUDAGuard guard(src_stream.device_index());
       C10_CUDA_CHECK(cudaMemcpyAsync(host, src + off, n, cudaMemcpyDeviceToHost, src_stream));
@@ -128,7 +122,7 @@ void staged_copy(char* dst, const c10::cuda::CUDAStream& dst_stream, const char*
     }
     c10::cuda::CUDAGuard guard(dst_stream.device_index());
     C10_CUDA_CHECK(cudaMemcpyAsync(dst + off, host, n, cudaMemcpyHostToDevice, dst_stream));
-    if (block) block.record(dst_stream);
+    if (block) block.record(dst_stream);  // a pageable H2D returns once it has read `pageable`
   }
 }
 
@@ -155,11 +149,13 @@ void peer_copy(void* dst, const c10::cuda::CUDAStream& dst_stream, const void* s
                 bytes);
     return;
   }
-  c10::cuda::CUDAEvent ready;
+  c10::cuda::CUDAEvent ready;  // see NOTE [ Peer access ] (ordering)
   ready.record(src_stream);
   ready.block(dst_stream);
-  c10::cuda::CUDAGuard guard(d);
-  C10_CUDA_CHECK(cudaMemcpyPeerAsync(dst, d, src, s, bytes, dst_stream));
+  direct_copy(dst, d, src, s, bytes, dst_stream);
+  c10::cuda::CUDAEvent read;
+  read.record(dst_stream);
+  read.block(src_stream);
 }
 
 }  // namespace fastdp

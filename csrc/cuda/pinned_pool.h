@@ -56,8 +56,10 @@ PinnedBlock pinned_acquire(size_t bytes);
 // taken once from torch's stream pool, never the default stream).
 c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device);
 
-// The window used to pipeline a staged copy of `total` bytes: all of it when small, else a fixed
-// size under half the capacity so that packing one window overlaps the copy of the previous one.
+// The pool's current capacity in bytes (0: staging off).
+size_t pinned_pool_capacity();
+
+// staging_window_for(total, the pool's current capacity): see transfer.h.
 size_t staging_window(size_t total);
 
 }  // namespace fastdp

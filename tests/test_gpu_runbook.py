@@ -1,0 +1,35 @@
+"""tests/gpu.sh, the GPU runbook: its plumbing on the CPU (FASTDP_GPU_DRY_RUN=1).
+
+CI runs every stage's dry run (`bash tests/gpu.sh all`); here the cheapest stage, the record it
+writes and the usage error, so that a broken script fails the suite too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FASTDP_GPU_DRY_RUN="1", PYTHON=sys.executable)
+    return subprocess.run(["bash", str(ROOT / "tests" / "gpu.sh"), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_build_stage_dry_run_writes_its_log_and_json(tmp_path: Path) -> None:
+    r = _run("build", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads((tmp_path / "build.json").read_text())
+    assert rec["stage"] == "build" and rec["rc"] == 0 and rec["dry_run"] is True
+    log = (tmp_path / "build.log").read_text()
+    assert "pip install --no-build-isolation --no-deps -e ." in log and "fastdp " in log
+
+
+def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
+    r = _run("nope", str(tmp_path))
+    assert r.returncode == 2 and "usage" in r.stderr
