@@ -29,7 +29,6 @@ Rebuilds on structural change: see NOTE [ Replica invalidation ] in ``fastdp/_wa
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -38,6 +37,9 @@ from torch.nn import Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, comm
+from fastdp._compiled import (FirstCallGate, compile_root, finish_replica, is_compiled,
+                              replicate_module)
+from fastdp._accumulate import grad_marks, make_leaves
 from fastdp._functions import ReduceAddCoalesced
 
 
@@ -111,7 +113,8 @@ class ReplicaSet:
 
     alias_same_device = True  # tests turn it off to exercise the copy path on one device
 
-    def __init__(self, network: Module, devices: list[torch.device]) -> None:
+    def __init__(self, network: Module, devices: list[torch.device],
+                 compile_ctx: Any = None) -> None:
         from fastdp import replicate as _rep
 
         if not _rep._replicatable_module(network):
@@ -119,6 +122,7 @@ class ReplicaSet:
                 "Cannot replicate network where python modules are children of ScriptModule")
         self.devices = list(devices)
         self.src_device = devices[0]
+        self.compile_ctx = compile_ctx  # the wrapper's torch.compile context (roots only)
         self.modules = list(network.modules())
         if any(isinstance(m, torch.jit.ScriptModule) for m in self.modules):
             raise NotCacheable("TorchScript modules are replicated afresh every step")
@@ -134,6 +138,9 @@ class ReplicaSet:
         self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
         self.token: _Token | None = None
+        self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
+        self.leaf_mode = False
+        self.marks: tuple = ()
         ext = _backend.ext()
         self.ext = ext if ext is not None and hasattr(ext, "RefreshState") else None
         self.state = self.ext.RefreshState() if self.ext is not None else None
@@ -177,9 +184,7 @@ class ReplicaSet:
         for _ in self.devices:
             row = []
             for m in self.modules:
-                r = m._replicate_for_data_parallel()
-                r._former_parameters = OrderedDict()
-                row.append(r)
+                row.append(replicate_module(m))  # NOTE [ Compiled replicas ]
             copies.append(row)
         for i, m in enumerate(self.modules):
             for key, child in m._modules.items():
@@ -203,6 +208,11 @@ class ReplicaSet:
                     else:
                         own = b if j == 0 else self.buffer_copies[j - 1][buf_index[b]]
                         setattr(row[i], key, own)
+        gates = self._gates()
+        for row in copies:  # before the snapshots below: see NOTE [ Compiled replicas ]
+            for i, (m, r) in enumerate(zip(self.modules, row)):
+                finish_replica(m, r, gates.get(i))
+        roots = [compile_root(row[0], self.compile_ctx, gates.get(-1)) for row in copies]
         self.copies = copies
         self._assign()
         slot_keys: dict[int, set] = {}
@@ -211,19 +221,34 @@ class ReplicaSet:
         for row in copies:
             for i, r in enumerate(row):
                 _watch.track_replica(r, frozenset(slot_keys.get(i, ())))
-        return [row[0] for row in copies]
+        return roots
 
-    def _assign(self) -> None:
-        """Point every replica's parameter slots at ``self.tensors`` (build and fresh tensors).
+    def _gates(self) -> dict[int, FirstCallGate]:
+        """One FirstCallGate per compiled module position, shared by its replicas (none where
+        replicas meet inside a forward: SyncBatchNorm, replication callbacks)."""
+        from fastdp.sync_batchnorm import _syncable
+
+        if len(self.devices) < 2 or any(
+                _syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules):
+            return {}
+        compiled = [i for i, m in enumerate(self.modules) if is_compiled(m)]
+        if self.compile_ctx is not None:
+            compiled.append(-1)  # the wrapper's compile of the root
+        return {i: FirstCallGate() for i in compiled}
+
+    def _assign(self, tensors: list[list[torch.Tensor]] | None = None) -> None:
+        """Point every replica's parameter slots at ``tensors`` (default ``self.tensors``: build
+        and fresh tensors; the leaves of NOTE [ no_sync ] otherwise).
 
         As DataParallel's ``setattr``: a plain attribute (replicas' parameters are not leaves), plus
         an entry in ``_parameters`` so ``parameters()`` sees it; written straight into the dicts
         (no per-slot Python call), RNN weight lists rebuilt afterwards.
         """
+        self.leaf_mode = tensors is not None and tensors is not self.tensors
         for j, row in enumerate(self.copies):
-            tensors = self.tensors[j]
+            row_tensors = (self.tensors if tensors is None else tensors)[j]
             for i, key, k in self.slots:
-                r, t = row[i], tensors[k]
+                r, t = row[i], row_tensors[k]
                 if key in r._buffers:
                     r._buffers[key] = t
                     continue
@@ -259,8 +284,21 @@ class ReplicaSet:
         if self.state is not None and self.any_grad:
             self.state.link(self.sources)
 
-    def refresh(self) -> list[Module]:
-        """This step's replicas: tensors refreshed from the originals, autograd linked."""
+    def _copy_buffers(self) -> None:
+        if len(self.devices) > 1 and self.buffers:
+            if self.buffer_state is not None:
+                self.buffer_state.copy(self.buffers)
+            else:
+                with torch.no_grad():
+                    comm.broadcast_into(self.buffers, self.buffer_copies)
+
+    def refresh(self, no_sync: bool = False) -> list[Module]:
+        """This step's replicas: tensors refreshed from the originals, autograd linked (on
+        leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
+        if no_sync and self.any_grad and torch.is_grad_enabled():
+            return self._refresh_no_sync()
+        if self.leaf_mode:
+            self._assign()  # back to the linked tensors; the leaves wait for the fold
         if self.state is not None:
             if self.copy_rows and self.state.graph_alive():
                 self._renew()  # a live graph may still need the copies' old values
@@ -269,12 +307,7 @@ class ReplicaSet:
         self.token = None
         if _watch.has_dirty():
             _watch.restore_dirty()
-        if len(self.devices) > 1 and self.buffers:
-            if self.buffer_state is not None:
-                self.buffer_state.copy(self.buffers)
-            else:
-                with torch.no_grad():
-                    comm.broadcast_into(self.buffers, self.buffer_copies)
+        self._copy_buffers()
         if self.state is not None:  # the node made by link() serves every step
             self.state.copy(self.sources)
             if self.any_grad and torch.is_grad_enabled():
@@ -286,3 +319,43 @@ class ReplicaSet:
             with torch.no_grad():
                 self.copy_sources(tuple(self.sources))
         return self.replicas
+
+    def _refresh_no_sync(self) -> list[Module]:
+        """A micro-step under ``no_sync``: replicas on leaves, nothing linked or reduced."""
+        first = self.leaves is None
+        if first:
+            if self.state is not None:
+                if self.copy_rows and self.state.graph_alive():
+                    self._renew()
+            elif self._graph_alive():
+                self._renew()
+            self.token = None
+            self.leaves = make_leaves(self.tensors, self.sources)
+            self.marks = grad_marks(self.sources)
+        elif grad_marks(self.sources) != self.marks:  # zero_grad() since: drop what was pending
+            self.drop_pending()
+            self.marks = grad_marks(self.sources)
+        if not self.leaf_mode:
+            self._assign(self.leaves)
+        if _watch.has_dirty():
+            _watch.restore_dirty()
+        self._copy_buffers()
+        if first:  # later micro-steps: the originals did not change; pending graphs saved these
+            with torch.no_grad():
+                self.copy_sources(tuple(self.sources))
+        return self.replicas
+
+    def drop_pending(self) -> None:
+        for row in self.leaves or ():
+            for leaf in row:
+                leaf.grad = None
+
+    def take_pending(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
+        """The leaves with their gradients (None if ``zero_grad`` dropped them), ending the
+        cycle: the next ``no_sync`` micro-step makes fresh leaves."""
+        leaves, self.leaves = self.leaves, None
+        if self.leaf_mode:
+            self._assign()
+        if leaves is None or grad_marks(self.sources) != self.marks:
+            return None
+        return self.sources, leaves

@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _watch
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
+from fastdp._accumulate import fold
+from fastdp._compiled import context_from_options, enclosing_context, is_compiled
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._planner import chunk_sizes_for
@@ -88,12 +91,17 @@ class FastDataParallel(DataParallel):
         self.module = module
         self.dim = dim
         self.persistent = persistent
-        self._replica_sets: dict[tuple[torch.device, ...], ReplicaSet] = {}
+        self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple[int, Any] | None = None
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
         weakref.finalize(self, self._pool.shutdown)
         self.gather_output = gather_output
+        self._compile_ctx: Any = None  # FastDataParallel.compile's torch.compile context
+        self._step_ctx: Any = None  # the context of the step in flight (compile or traced)
+        self._no_sync = False
+        self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
+        self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
         devs = self._resolve_devices(device_ids)
         self.chunk_sizes, self.balance = _balance.check_split_args(
             chunk_sizes, balance, None if devs is None else len(devs))
@@ -135,11 +143,19 @@ class FastDataParallel(DataParallel):
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # see NOTE [ Compiling the wrapper ]
+            return _untraced_forward(self, inputs, kwargs)
+        return self._forward(inputs, kwargs, self._compile_ctx)
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
         with torch.autograd.profiler.record_function("FastDataParallel.forward"):
+            self._step_ctx = ctx
+            if self._pending_sets and not self._no_sync and torch.is_grad_enabled():
+                self._fold_pending()
             if not self.device_ids:
                 batch = None if self.gather_output else _balance.first_batch_size(
                     (inputs, kwargs), self.dim)
-                return self._direct(self.module(*inputs, **kwargs), batch, None)
+                return self._direct(self._module_for(ctx)(*inputs, **kwargs), batch, None)
             self._check_device_cached()
             devices, sizes, batch = self._devices, None, None
             if self.chunk_sizes is not None or self.balance is not None or not self.gather_output:
@@ -151,13 +167,13 @@ class FastDataParallel(DataParallel):
             ids = [public_id(d) for d in devices] if custom else self.device_ids
             if len(self._devices) == 1 and self._devices[0].type == "cpu":
                 # one CPU device: nothing to move
-                return self._direct(self.module(*inputs, **kwargs), batch, devices[0])
+                return self._direct(self._module_for(ctx)(*inputs, **kwargs), batch, devices[0])
             split = {} if sizes is None else {"chunk_sizes": sizes}
             inputs, module_kwargs = self.scatter(inputs, kwargs, ids, **split)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
-                out = self.module(*inputs[0], **module_kwargs[0])
+                out = self._module_for(ctx)(*inputs[0], **module_kwargs[0])
                 return self._direct(out, batch, devices[0])
             replicas = self.replicate(self.module, ids[: len(inputs)])
             on = {"devices": devices[: len(inputs)]} if custom else {}
@@ -167,6 +183,43 @@ class FastDataParallel(DataParallel):
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
             return self.gather(outputs, self.output_device)
+
+    def _module_for(self, ctx: Any) -> Module:
+        """The module to call directly (no replicas), compiled with the wrapper's ``ctx``."""
+        if ctx is None or is_compiled(self.module):
+            return self.module
+        hit = self.__dict__.get("_direct_compiled")  # not a submodule: kept out of state_dict
+        if hit is None or hit[0] is not ctx or hit[1]._orig_mod is not self.module:
+            hit = self.__dict__["_direct_compiled"] = (ctx, ctx(self.module))
+        return hit[1]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()``: backward passes of forwards run inside keep every replica's
+        gradients on the replica, unreduced; the first grad-enabled forward outside folds them
+        into the originals' ``.grad``, so after its backward ``.grad`` equals plain gradient
+        accumulation. Saves one cross-device reduce of all parameters per micro-step. See
+        NOTE [ no_sync ] in ``fastdp/_accumulate.py``."""
+        old, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def _fold_pending(self) -> None:
+        pending = [p for p in (rs.take_pending() for rs in self._pending_sets.values()) if p]
+        self._pending_sets = {}
+        self.no_sync_stats["folds"] += 1
+        fold(pending)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile the module inside every replica with ``torch.compile``'s keyword options
+        (``mode``, ``backend``, ``dynamic``, ``fullgraph``, ``options``, ...); the wrapper's own
+        planning, scatter, threads and gather stay eager. See NOTE [ Compiling the wrapper ]."""
+        if args:
+            raise TypeError("FastDataParallel.compile takes torch.compile's keyword options only")
+        self._compile_ctx = context_from_options(**kwargs)
+        self.invalidate_replicas()
 
     def _direct(self, output: Any, batch: int | None, device: Any) -> Any:
         """The output of a forward that ran the module itself (no replicas, no gather)."""
@@ -208,14 +261,20 @@ class FastDataParallel(DataParallel):
         devs = _devs(device_ids)
         if not self.persistent or module is not self.module:
             return replicate(module, devs, not torch.is_grad_enabled())
-        key = tuple(devs)
+        ctx = self._step_ctx
+        key = tuple(devs) if ctx is None else (*devs, ctx)  # NOTE [ Compiling the wrapper ]
         rs = self._replica_sets.get(key)
         if rs is None or not rs.valid():
             try:
-                rs = self._replica_sets[key] = ReplicaSet(module, devs)
+                rs = self._replica_sets[key] = ReplicaSet(module, devs, ctx)
             except NotCacheable:
                 return replicate(module, devs, not torch.is_grad_enabled())
-        return rs.refresh()
+        replicas = rs.refresh(self._no_sync)
+        if rs.leaf_mode:
+            self.no_sync_stats["micro_steps"] += 1
+        if rs.leaves is not None:  # under no_sync: fold at the next step outside
+            self._pending_sets[id(rs)] = rs
+        return replicas
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                 device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:
@@ -241,6 +300,31 @@ class FastDataParallel(DataParallel):
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
         return gather(outputs, _dev(output_device, self), dim=self.dim)
+
+
+# NOTE [ Compiling the wrapper ]
+# ``torch.compile(FastDataParallel(m))`` makes dynamo trace the wrapper's forward: planning,
+# scatter, threads and gather are host code it cannot capture (one graph break and warning per
+# fastdp op, slower than eager), and the replicas' forwards run on worker threads, where the
+# caller's compile context does not reach. So ``forward`` hands itself back to eager at once
+# (``torch.compiler.is_compiling()`` is true only while dynamo traces it; the disabled function
+# is one clean graph break, no warning) and compiles the module *inside* every replica instead,
+# with the context of the innermost ``torch.compile`` on the stack: the user's own options. The
+# replica sets are keyed by that context, so the compiled and the plain wrapper can alternate.
+# ``FastDataParallel.compile(**options)`` does the same without dynamo ever seeing the wrapper,
+# and is the form for ``fullgraph=True``: a wrapper step is never one graph, so
+# ``torch.compile(FastDataParallel(m), fullgraph=True)`` fails at the disabled function, whose
+# name in dynamo's error says which form to use. A module compiled already keeps its own options.
+def _forward_from_compile(fdp: FastDataParallel, inputs: tuple, kwargs: dict) -> Any:
+    ctx = fdp._compile_ctx if fdp._compile_ctx is not None else enclosing_context()
+    return fdp._forward(inputs, kwargs, ctx)
+
+
+_forward_from_compile.__qualname__ = (
+    "FastDataParallel.forward [fastdp's host orchestration is not traced; for fullgraph=True "
+    "call model.compile(fullgraph=True) on the FastDataParallel, or wrap "
+    "torch.compile(module, fullgraph=True)]")
+_untraced_forward = torch._disable_dynamo(_forward_from_compile)
 
 
 class _Call:
