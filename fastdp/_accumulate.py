@@ -23,9 +23,11 @@ Safety:
 * A model change inside ``no_sync()`` rebuilds the replica set; the old set stays registered
   with the wrapper until the fold, so its gradients are not lost (they go to the parameters they
   were computed for, as plain accumulation would).
-* ``zero_grad()`` (the optimizer's or the model's) between micro-steps drops the pending
-  gradients, as it would drop DDP's: the originals' ``.grad`` (identity and version) are marked
-  when a cycle starts and compared at every later micro-step and at the fold.
+* ``model.zero_grad()`` between micro-steps drops the pending gradients, as it drops DDP's. An
+  optimizer's ``zero_grad()`` is seen where it changes the originals' ``.grad`` (identity and
+  version, marked when a cycle starts and compared at every later micro-step and at the fold);
+  one that finds them None already (``set_to_none`` after a step) leaves no trace, so the
+  pending gradients stay: call the model's ``zero_grad()`` to drop them mid-cycle.
 * ``persistent=False``, one device or no devices: the module's gradients go straight into the
   originals every step (correct accumulation, nothing saved).
 """

@@ -206,6 +206,12 @@ class FastDataParallel(DataParallel):
         finally:
             self._no_sync = old
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``Module.zero_grad``, also dropping gradients pending under ``no_sync()``."""
+        super().zero_grad(set_to_none)
+        for rs in self._pending_sets.values():
+            rs.drop_pending()
+
     def _fold_pending(self) -> None:
         pending = [p for p in (rs.take_pending() for rs in self._pending_sets.values()) if p]
         self._pending_sets = {}
