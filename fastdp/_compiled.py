@@ -21,8 +21,9 @@ the user's, and one backend instance serves every replica. Dynamo caches compile
 objects, guarded on the module's type and attributes, with parameters as graph inputs: replicas
 of one module pass each other's guards, so a replica set compiles once in all (replicas' plain
 tensors differ from ``nn.Parameter`` originals, so calling the original compiled module elsewhere
-is a second entry). A partial batch recompiles once for all replicas (dynamo's automatic dynamic
-shapes), as the plain compiled module does. A rebuilt replica set (see NOTE [ Replica
+is a second entry). For that, a step whose inputs a compiled set has not seen runs its replicas
+in order (``WarmKeys``); a partial batch then recompiles once for all replicas (dynamo's
+automatic dynamic shapes), as the plain compiled module on the chunks in turn does. A rebuilt replica set (see NOTE [ Replica
 invalidation ]) is re-wrapped from the *current* originals, and dynamo's guards reject code
 specialised on an attribute that changed, so no stale compiled code runs.
 
@@ -36,9 +37,7 @@ Nothing here imports ``torch._dynamo`` (2 s): a module can only be compiled once
 from __future__ import annotations
 
 import sys
-import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,14 +95,11 @@ def replicate_module(m: Module) -> Module:
     return r
 
 
-def finish_replica(orig: Module, r: Module, gate: FirstCallGate | None = None) -> None:
-    """Point ``r``'s compiled entry at ``r`` itself (after its children were set), through
-    ``gate`` when given; see NOTE [ Compiled replicas ]."""
+def finish_replica(orig: Module, r: Module) -> None:
+    """Point ``r``'s compiled entry at ``r`` itself (after its children were set); see NOTE."""
     if is_optimized(orig):
         r._initialize()  # forward = ctx(r._orig_mod.__call__), as OptimizedModule.__init__
         r.__dict__["_torchdynamo_orig_callable"] = r._orig_mod.forward
-        if gate is not None:
-            r.__dict__["forward"] = gate.wrap(r.__dict__["forward"])
         return
     impl = orig.__dict__.get("_compiled_call_impl")
     if impl is None:
@@ -112,57 +108,43 @@ def finish_replica(orig: Module, r: Module, gate: FirstCallGate | None = None) -
     if ctx is None:  # set by hand to something else: cannot be re-aimed, so run the replica eager
         _warn_once(f"fastdp: {type(orig).__name__}._compiled_call_impl is not a torch.compile "
                    "function; its replicas run eager. Use torch.compile(module) instead.")
-    _set_compiled_call(r, None if ctx is None else ctx(r._call_impl), gate)
+    r.__dict__["_compiled_call_impl"] = None if ctx is None else ctx(r._call_impl)
 
 
-def compile_root(r: Module, ctx: Any, gate: FirstCallGate | None = None) -> Module:
+def compile_root(r: Module, ctx: Any) -> Module:
     """Replica root ``r`` compiled with the wrapper's context, as ``torch.compile(r)`` would
     (``OptimizedModule``: ``r.compile()``'s form compiles nothing for ``torch.nn``'s own classes,
     whose frames dynamo skips); ``r`` itself if compiled already (the module's options win)."""
-    if ctx is None or is_compiled(r):
-        return r
-    om = ctx(r)
-    if gate is not None:
-        om.__dict__["forward"] = gate.wrap(om.__dict__["forward"])
-    return om
+    return r if ctx is None or is_compiled(r) else ctx(r)
 
 
-def _set_compiled_call(r: Module, fn: Callable | None, gate: FirstCallGate | None) -> None:
-    r.__dict__["_compiled_call_impl"] = fn if fn is None or gate is None else gate.wrap(fn)
-
-
-class FirstCallGate:
-    """Serialises the replicas of one compiled module on inputs they have not seen yet.
+class WarmKeys:
+    """The input keys a compiled replica set has run on; a step with a new one runs its replicas
+    in order on the caller's thread (see NOTE [ Compiled replicas ]).
 
     Dynamo looks its cache up before taking its compile lock, so replicas that miss together on
-    their worker threads compile the same code once each. Through the gate the first call with
-    a new input key (grad mode; per leaf shape, dtype, device, requires_grad; plain values) runs
-    alone: the others then hit the entry it made, and a set compiles once in all, as the plain
-    module on the chunks in turn would. Keys seen (or more than ``limit`` of them: dynamic
-    shapes) go straight through. Never used where replicas meet inside a forward (SyncBatchNorm,
-    replication callbacks): holding the gate there would deadlock.
+    their worker threads compile the same code once each, and in no fixed order: a first entry
+    made for a chunk at storage offset 15 then misses the chunk at offset 0 (a second
+    recompile). In order, replica 0 compiles and the others hit its entry, exactly as the plain
+    module on the chunks in turn. Key: grad mode and, per input leaf, shape, dtype, device and
+    requires_grad (plain values as themselves). After ``limit`` keys (shapes that vary every
+    step: dynamic entries serve them) every step runs in parallel.
     """
 
     limit = 16
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._seen: set = set()
 
-    def wrap(self, fn: Callable) -> Callable:
-        def gated(*args: Any, **kwargs: Any) -> Any:
-            if len(self._seen) >= self.limit:
-                return fn(*args, **kwargs)
-            key = _input_key(args, kwargs)
-            if key in self._seen:
-                return fn(*args, **kwargs)
-            with self._lock:
-                out = fn(*args, **kwargs)
-                self._seen.add(key)
-            return out
+    def new(self, inputs: Any, kwargs: Any) -> list | None:
+        """The step's unseen keys (to ``add`` after it ran), or None when all were seen."""
+        if len(self._seen) >= self.limit:
+            return None
+        keys = [_input_key(i, k) for i, k in zip(inputs, kwargs)]
+        return [k for k in keys if k not in self._seen] or None
 
-        gated.__wrapped__ = fn
-        return gated
+    def add(self, keys: list) -> None:
+        self._seen.update(keys)
 
 
 _PLAIN = (int, float, bool, str, type(None))

@@ -37,7 +37,7 @@ from torch.nn import Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, comm
-from fastdp._compiled import (FirstCallGate, compile_root, finish_replica, is_compiled,
+from fastdp._compiled import (WarmKeys, compile_root, finish_replica, is_compiled,
                               replicate_module)
 from fastdp._accumulate import grad_marks, make_leaves
 from fastdp._functions import ReduceAddCoalesced
@@ -208,11 +208,11 @@ class ReplicaSet:
                     else:
                         own = b if j == 0 else self.buffer_copies[j - 1][buf_index[b]]
                         setattr(row[i], key, own)
-        gates = self._gates()
         for row in copies:  # before the snapshots below: see NOTE [ Compiled replicas ]
-            for i, (m, r) in enumerate(zip(self.modules, row)):
-                finish_replica(m, r, gates.get(i))
-        roots = [compile_root(row[0], self.compile_ctx, gates.get(-1)) for row in copies]
+            for m, r in zip(self.modules, row):
+                finish_replica(m, r)
+        roots = [compile_root(row[0], self.compile_ctx) for row in copies]
+        self.warm = self._warm_keys()
         self.copies = copies
         self._assign()
         slot_keys: dict[int, set] = {}
@@ -223,18 +223,17 @@ class ReplicaSet:
                 _watch.track_replica(r, frozenset(slot_keys.get(i, ())))
         return roots
 
-    def _gates(self) -> dict[int, FirstCallGate]:
-        """One FirstCallGate per compiled module position, shared by its replicas (none where
-        replicas meet inside a forward: SyncBatchNorm, replication callbacks)."""
+    def _warm_keys(self) -> WarmKeys | None:
+        """Input keys seen, for sets running compiled code on several replicas, unless replicas
+        meet inside a forward (SyncBatchNorm, replication callbacks): they must run together."""
         from fastdp.sync_batchnorm import _syncable
 
-        if len(self.devices) < 2 or any(
-                _syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules):
-            return {}
-        compiled = [i for i, m in enumerate(self.modules) if is_compiled(m)]
-        if self.compile_ctx is not None:
-            compiled.append(-1)  # the wrapper's compile of the root
-        return {i: FirstCallGate() for i in compiled}
+        if len(self.devices) < 2 or (self.compile_ctx is None
+                                     and not any(is_compiled(m) for m in self.modules)):
+            return None
+        if any(_syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules):
+            return None
+        return WarmKeys()
 
     def _assign(self, tensors: list[list[torch.Tensor]] | None = None) -> None:
         """Point every replica's parameter slots at ``tensors`` (default ``self.tensors``: build

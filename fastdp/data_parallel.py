@@ -100,6 +100,7 @@ class FastDataParallel(DataParallel):
         self._compile_ctx: Any = None  # FastDataParallel.compile's torch.compile context
         self._step_ctx: Any = None  # the context of the step in flight (compile or traced)
         self._no_sync = False
+        self._step_rs: ReplicaSet | None = None  # the persistent set replicate() returned
         self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
         self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
         devs = self._resolve_devices(device_ids)
@@ -177,8 +178,15 @@ class FastDataParallel(DataParallel):
                 return self._direct(out, batch, devices[0])
             replicas = self.replicate(self.module, ids[: len(inputs)])
             on = {"devices": devices[: len(inputs)]} if custom else {}
+            rs, self._step_rs = self._step_rs, None
+            warm = rs.warm.new(inputs, module_kwargs) if rs is not None and rs.warm else None
             with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
-                outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+                if warm is None:
+                    outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+                else:  # compiled replicas meet new inputs: see WarmKeys
+                    outputs = _apply_in_order(replicas, inputs, module_kwargs,
+                                              on.get("devices", self._devices))
+                    rs.warm.add(warm)
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
@@ -275,6 +283,7 @@ class FastDataParallel(DataParallel):
                 rs = self._replica_sets[key] = ReplicaSet(module, devs, ctx)
             except NotCacheable:
                 return replicate(module, devs, not torch.is_grad_enabled())
+        self._step_rs = rs
         replicas = rs.refresh(self._no_sync)
         if rs.leaf_mode:
             self.no_sync_stats["micro_steps"] += 1
@@ -345,6 +354,13 @@ class _Call:
         out = run_replica(*self.args)
         self.args = None
         return out
+
+
+def _apply_in_order(replicas: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[Any],
+                    devices: Sequence[torch.device]) -> list[Any]:
+    """The replicas one after the other on the caller's thread, in replica order."""
+    return [parallel_apply([r], [i], [k], [d])[0]
+            for r, i, k, d in zip(replicas, inputs, kwargs, devices)]
 
 
 def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:
