@@ -118,6 +118,49 @@ def compile_root(r: Module, ctx: Any) -> Module:
     return r if ctx is None or is_compiled(r) else ctx(r)
 
 
+# NOTE [ CUDA graphs on replicas ]
+# mode="reduce-overhead" (and "max-autotune", backend="cudagraphs") replays CUDA graphs through
+# torch/_inductor/cudagraph_trees.py, whose rules decide how replicas may run:
+# * A tree manager (one memory pool, one recording state machine, no lock) exists per *thread*
+#   and device: ``get_container`` reads thread-local state, and autograd's device threads get
+#   the caller's containers through the TLS stash (so a backward uses the tree of the thread
+#   that called ``backward``). A compiled function binds the manager of the thread that first
+#   ran it. Replicas share one compiled entry (NOTE [ Compiled replicas ]), so replicas on
+#   worker threads would drive one tree from several threads at once (a race), and record
+#   their forwards in a tree other than the one their backward replays in.
+#   So a set whose context uses CUDA graphs runs its replicas *in order on the caller's thread*
+#   every step (``uses_cuda_graphs``; as the inline launch strategy does): one tree per device,
+#   forwards and backwards in it, kernels still asynchronous (distinct GPUs overlap).
+# * Within a step each replica's forward is a node of its own in the tree's path (the earlier
+#   replicas' outputs await their backward, so the next call cannot reuse their memory); the
+#   order is fixed, so the path is recorded once and replayed.
+# * Static inputs: inputs not marked static are copied into the graph's own buffers on every
+#   replay, i.e. all parameters of every replica, every step. Persistent replica tensors keep
+#   their addresses across steps, so they are marked static (``mark_static``,
+#   ``_dynamo_static_input_type = "unguarded"``: a changed address re-records the graph instead
+#   of failing a guard): after ``_renew`` or a rebuild the tree re-records once. no_sync's leaves
+#   share the persistent storage, hence the addresses.
+# Unverified on a GPU so far (tests/test_compile.py::test_reduce_overhead_* skip without one).
+
+
+def uses_cuda_graphs(ctx: Any) -> bool:
+    """Whether the dynamo context's backend replays CUDA graphs (see NOTE above)."""
+    ef = _eval_frame()
+    if ctx is None or ef is None:
+        return False
+    backend = ef.innermost_backend(ctx.callback)
+    config = getattr(backend, "config", None) or {}
+    return bool(config.get("triton.cudagraphs")) or getattr(
+        backend, "compiler_name", None) == "cudagraphs"
+
+
+def mark_static(tensors: Any) -> None:
+    """Mark persistent replica tensors as static graph inputs (see NOTE above)."""
+    for row in tensors:
+        for t in row:
+            t._dynamo_static_input_type = "unguarded"
+
+
 class WarmKeys:
     """The input keys a compiled replica set has run on; a step with a new one runs its replicas
     in order on the caller's thread (see NOTE [ Compiled replicas ]).

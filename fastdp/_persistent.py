@@ -37,8 +37,8 @@ from torch.nn import Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, comm
-from fastdp._compiled import (WarmKeys, compile_root, finish_replica, is_compiled,
-                              replicate_module)
+from fastdp._compiled import (WarmKeys, compile_root, context_of, finish_replica, is_compiled,
+                              mark_static, replicate_module, uses_cuda_graphs)
 from fastdp._accumulate import grad_marks, make_leaves
 from fastdp._functions import ReduceAddCoalesced
 
@@ -139,6 +139,8 @@ class ReplicaSet:
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
         self.token: _Token | None = None
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
+        self.warm: WarmKeys | None = None
+        self.in_order = False
         self.leaf_mode = False
         self.marks: tuple = ()
         ext = _backend.ext()
@@ -213,6 +215,14 @@ class ReplicaSet:
                 finish_replica(m, r)
         roots = [compile_root(row[0], self.compile_ctx) for row in copies]
         self.warm = self._warm_keys()
+        contexts = [self.compile_ctx] + [context_of(m) for m in self.modules]
+        # NOTE [ CUDA graphs on replicas ]: one thread, in order, inputs at fixed addresses
+        self.in_order = (len(self.devices) > 1 and not self.meet
+                         and any(d.type == "cuda" for d in self.devices)
+                         and any(map(uses_cuda_graphs, contexts)))
+        if self.warm is not None or self.in_order:
+            mark_static(self.tensors)
+            mark_static(self.buffer_copies)
         self.copies = copies
         self._assign()
         slot_keys: dict[int, set] = {}
@@ -228,10 +238,10 @@ class ReplicaSet:
         meet inside a forward (SyncBatchNorm, replication callbacks): they must run together."""
         from fastdp.sync_batchnorm import _syncable
 
-        if len(self.devices) < 2 or (self.compile_ctx is None
-                                     and not any(is_compiled(m) for m in self.modules)):
-            return None
-        if any(_syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules):
+        self.meet = any(_syncable(m) or hasattr(m, "__data_parallel_replicate__")
+                        for m in self.modules)
+        if len(self.devices) < 2 or self.meet or (
+                self.compile_ctx is None and not any(is_compiled(m) for m in self.modules)):
             return None
         return WarmKeys()
 
@@ -279,6 +289,8 @@ class ReplicaSet:
     def _renew(self) -> None:
         """Fresh replica tensors (and, on the extension path, a fresh node)."""
         self.tensors = self._new_tensors()
+        if self.warm is not None or self.in_order:
+            mark_static(self.tensors)
         self._assign()
         if self.state is not None and self.any_grad:
             self.state.link(self.sources)
@@ -330,6 +342,8 @@ class ReplicaSet:
                 self._renew()
             self.token = None
             self.leaves = make_leaves(self.tensors, self.sources)
+            if self.warm is not None or self.in_order:
+                mark_static(self.leaves)
             self.marks = grad_marks(self.sources)
         elif grad_marks(self.sources) != self.marks:  # zero_grad() since: drop what was pending
             self.drop_pending()

@@ -180,13 +180,15 @@ class FastDataParallel(DataParallel):
             on = {"devices": devices[: len(inputs)]} if custom else {}
             rs, self._step_rs = self._step_rs, None
             warm = rs.warm.new(inputs, module_kwargs) if rs is not None and rs.warm else None
+            in_order = warm is not None or (rs is not None and rs.in_order)
             with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
-                if warm is None:
+                if not in_order:
                     outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
-                else:  # compiled replicas meet new inputs: see WarmKeys
+                else:  # new inputs (WarmKeys) or CUDA graphs: NOTE [ CUDA graphs on replicas ]
                     outputs = _apply_in_order(replicas, inputs, module_kwargs,
                                               on.get("devices", self._devices))
-                    rs.warm.add(warm)
+                    if warm is not None:
+                        rs.warm.add(warm)
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)

@@ -251,6 +251,25 @@ def test_inductor_compiled_replicas_match_and_stay_compiled():
     assert compiles() == before
 
 
+@pytest.mark.parametrize("options,graphs", [
+    ({}, False), ({"mode": "reduce-overhead"}, True), ({"mode": "max-autotune"}, True),
+    ({"mode": "max-autotune-no-cudagraphs"}, False), ({"backend": "cudagraphs"}, True),
+    ({"backend": "aot_eager"}, False)])
+def test_contexts_that_replay_cuda_graphs_are_recognised(options, graphs):
+    from fastdp._compiled import context_of, uses_cuda_graphs
+
+    assert uses_cuda_graphs(context_of(torch.compile(make(), **options))) is graphs
+
+
+def test_compiled_replica_tensors_are_static_graph_inputs():
+    """Persistent replica tensors keep their addresses: marked static for CUDA graphs."""
+    dp = fastdp.FastDataParallel(torch.compile(make(), backend="eager"), ["cpu"] * 2)
+    dp(torch.randn(8, 16)).sum().backward()
+    rs = next(iter(dp._replica_sets.values()))
+    assert all(t._dynamo_static_input_type == "unguarded" for row in rs.tensors for t in row)
+    assert not rs.in_order  # CPU replicas run in parallel; CUDA graph sets run in order
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
 def test_reduce_overhead_on_replicas_sharing_one_gpu():
     """See NOTE [ CUDA graphs on replicas ]: unverified until a GPU run."""
