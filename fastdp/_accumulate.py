@@ -38,6 +38,9 @@ from typing import Any
 
 import torch
 
+from fastdp import _watch
+from fastdp._compiled import mark_static
+
 
 def grad_marks(sources: list[torch.Tensor]) -> tuple:
     """What ``zero_grad`` changes: each source's ``.grad`` identity and version."""
@@ -72,3 +75,50 @@ def fold(pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]) -> 
             else:
                 s.grad += total
     return len(totals)
+
+
+class LeafAccumulation:
+    """``ReplicaSet``'s side of NOTE [ no_sync ] (a mixin: it uses the set's tensors, copies
+    and ``_assign``)."""
+
+    def _refresh_no_sync(self) -> list:
+        """A micro-step under ``no_sync``: replicas on leaves, nothing linked or reduced."""
+        first = self.leaves is None
+        if first:
+            if self.state is not None:
+                if self.copy_rows and self.state.graph_alive():
+                    self._renew()
+            elif self._graph_alive():
+                self._renew()
+            self.token = None
+            self.leaves = make_leaves(self.tensors, self.sources)
+            if self.warm is not None or self.in_order:
+                mark_static(self.leaves)
+            self.marks = grad_marks(self.sources)
+        elif grad_marks(self.sources) != self.marks:  # zero_grad() since: drop what was pending
+            self.drop_pending()
+            self.marks = grad_marks(self.sources)
+        if not self.leaf_mode:
+            self._assign(self.leaves)
+        if _watch.has_dirty():
+            _watch.restore_dirty()
+        self._copy_buffers()
+        if first:  # later micro-steps: the originals did not change; pending graphs saved these
+            with torch.no_grad():
+                self.copy_sources(tuple(self.sources))
+        return self.replicas
+
+    def drop_pending(self) -> None:
+        for row in self.leaves or ():
+            for leaf in row:
+                leaf.grad = None
+
+    def take_pending(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
+        """The leaves with their gradients (None if ``zero_grad`` dropped them), ending the
+        cycle: the next ``no_sync`` micro-step makes fresh leaves."""
+        leaves, self.leaves = self.leaves, None
+        if self.leaf_mode:
+            self._assign()
+        if leaves is None or grad_marks(self.sources) != self.marks:
+            return None
+        return self.sources, leaves

@@ -23,9 +23,10 @@ of one module pass each other's guards, so a replica set compiles once in all (r
 tensors differ from ``nn.Parameter`` originals, so calling the original compiled module elsewhere
 is a second entry). For that, a step whose inputs a compiled set has not seen runs its replicas
 in order (``WarmKeys``); a partial batch then recompiles once for all replicas (dynamo's
-automatic dynamic shapes), as the plain compiled module on the chunks in turn does. A rebuilt replica set (see NOTE [ Replica
-invalidation ]) is re-wrapped from the *current* originals, and dynamo's guards reject code
-specialised on an attribute that changed, so no stale compiled code runs.
+automatic dynamic shapes), as the plain compiled module on the chunks in turn does. A rebuilt
+replica set (see NOTE [ Replica invalidation ]) is re-wrapped from the *current* originals, and
+dynamo's guards reject code specialised on an attribute that changed, so no stale compiled code
+runs.
 
 ``compile_root`` compiles a replica root with a context given to the wrapper
 (``FastDataParallel.compile`` or ``torch.compile(FastDataParallel(m))``): see NOTE [ Compiling
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -233,3 +235,37 @@ def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         warnings.warn(msg, stacklevel=4)
+
+
+# NOTE [ Compiling the wrapper ]
+# ``torch.compile(FastDataParallel(m))`` makes dynamo trace the wrapper's forward: planning,
+# scatter, threads and gather are host code it cannot capture (one graph break and warning per
+# fastdp op, slower than eager), and the replicas' forwards run on worker threads, where the
+# caller's compile context does not reach. So ``forward`` hands itself back to eager at once
+# (``torch.compiler.is_compiling()`` is true only while dynamo traces it; the disabled function
+# is one clean graph break, no warning) and compiles the module *inside* every replica instead,
+# with the context of the innermost ``torch.compile`` on the stack: the user's own options. The
+# replica sets are keyed by that context, so the compiled and the plain wrapper can alternate.
+# ``FastDataParallel.compile(**options)`` does the same without dynamo ever seeing the wrapper,
+# and is the form for ``fullgraph=True``: a wrapper step is never one graph, so
+# ``torch.compile(FastDataParallel(m), fullgraph=True)`` fails at the disabled function, whose
+# name in dynamo's error says which form to use. A module compiled already keeps its own options.
+def _forward_from_compile(fdp: Any, inputs: tuple, kwargs: dict) -> Any:
+    ctx = fdp._compile_ctx if fdp._compile_ctx is not None else enclosing_context()
+    return fdp._forward(inputs, kwargs, ctx)
+
+
+_forward_from_compile.__qualname__ = (
+    "FastDataParallel.forward [fastdp's host orchestration is not traced; for fullgraph=True "
+    "call model.compile(fullgraph=True) on the FastDataParallel, or wrap "
+    "torch.compile(module, fullgraph=True)]")
+untraced_forward = torch._disable_dynamo(_forward_from_compile)
+
+
+def apply_in_order(replicas: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[Any],
+                   devices: Sequence[torch.device]) -> list[Any]:
+    """The replicas one after the other on the caller's thread, in replica order."""
+    from fastdp.parallel_apply import parallel_apply
+
+    return [parallel_apply([r], [i], [k], [d])[0]
+            for r, i, k, d in zip(replicas, inputs, kwargs, devices)]

@@ -39,7 +39,7 @@ from torch.nn.parameter import UninitializedParameter
 from fastdp import _backend, _watch, comm
 from fastdp._compiled import (WarmKeys, compile_root, context_of, finish_replica, is_compiled,
                               mark_static, replicate_module, uses_cuda_graphs)
-from fastdp._accumulate import grad_marks, make_leaves
+from fastdp._accumulate import LeafAccumulation
 from fastdp._functions import ReduceAddCoalesced
 
 
@@ -108,7 +108,7 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return a.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
-class ReplicaSet:
+class ReplicaSet(LeafAccumulation):
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals)."""
 
     alias_same_device = True  # tests turn it off to exercise the copy path on one device
@@ -330,45 +330,3 @@ class ReplicaSet:
             with torch.no_grad():
                 self.copy_sources(tuple(self.sources))
         return self.replicas
-
-    def _refresh_no_sync(self) -> list[Module]:
-        """A micro-step under ``no_sync``: replicas on leaves, nothing linked or reduced."""
-        first = self.leaves is None
-        if first:
-            if self.state is not None:
-                if self.copy_rows and self.state.graph_alive():
-                    self._renew()
-            elif self._graph_alive():
-                self._renew()
-            self.token = None
-            self.leaves = make_leaves(self.tensors, self.sources)
-            if self.warm is not None or self.in_order:
-                mark_static(self.leaves)
-            self.marks = grad_marks(self.sources)
-        elif grad_marks(self.sources) != self.marks:  # zero_grad() since: drop what was pending
-            self.drop_pending()
-            self.marks = grad_marks(self.sources)
-        if not self.leaf_mode:
-            self._assign(self.leaves)
-        if _watch.has_dirty():
-            _watch.restore_dirty()
-        self._copy_buffers()
-        if first:  # later micro-steps: the originals did not change; pending graphs saved these
-            with torch.no_grad():
-                self.copy_sources(tuple(self.sources))
-        return self.replicas
-
-    def drop_pending(self) -> None:
-        for row in self.leaves or ():
-            for leaf in row:
-                leaf.grad = None
-
-    def take_pending(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
-        """The leaves with their gradients (None if ``zero_grad`` dropped them), ending the
-        cycle: the next ``no_sync`` micro-step makes fresh leaves."""
-        leaves, self.leaves = self.leaves, None
-        if self.leaf_mode:
-            self._assign()
-        if leaves is None or grad_marks(self.sources) != self.marks:
-            return None
-        return self.sources, leaves

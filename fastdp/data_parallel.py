@@ -20,7 +20,7 @@ from torch.nn.parameter import UninitializedParameter
 from fastdp import _watch
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
-from fastdp._compiled import context_from_options, enclosing_context, is_compiled
+from fastdp._compiled import apply_in_order, context_from_options, is_compiled, untraced_forward
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._planner import chunk_sizes_for
@@ -145,7 +145,7 @@ class FastDataParallel(DataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # see NOTE [ Compiling the wrapper ]
-            return _untraced_forward(self, inputs, kwargs)
+            return untraced_forward(self, inputs, kwargs)
         return self._forward(inputs, kwargs, self._compile_ctx)
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
@@ -185,7 +185,7 @@ class FastDataParallel(DataParallel):
                 if not in_order:
                     outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
                 else:  # new inputs (WarmKeys) or CUDA graphs: NOTE [ CUDA graphs on replicas ]
-                    outputs = _apply_in_order(replicas, inputs, module_kwargs,
+                    outputs = apply_in_order(replicas, inputs, module_kwargs,
                                               on.get("devices", self._devices))
                     if warm is not None:
                         rs.warm.add(warm)
@@ -319,31 +319,6 @@ class FastDataParallel(DataParallel):
         return gather(outputs, _dev(output_device, self), dim=self.dim)
 
 
-# NOTE [ Compiling the wrapper ]
-# ``torch.compile(FastDataParallel(m))`` makes dynamo trace the wrapper's forward: planning,
-# scatter, threads and gather are host code it cannot capture (one graph break and warning per
-# fastdp op, slower than eager), and the replicas' forwards run on worker threads, where the
-# caller's compile context does not reach. So ``forward`` hands itself back to eager at once
-# (``torch.compiler.is_compiling()`` is true only while dynamo traces it; the disabled function
-# is one clean graph break, no warning) and compiles the module *inside* every replica instead,
-# with the context of the innermost ``torch.compile`` on the stack: the user's own options. The
-# replica sets are keyed by that context, so the compiled and the plain wrapper can alternate.
-# ``FastDataParallel.compile(**options)`` does the same without dynamo ever seeing the wrapper,
-# and is the form for ``fullgraph=True``: a wrapper step is never one graph, so
-# ``torch.compile(FastDataParallel(m), fullgraph=True)`` fails at the disabled function, whose
-# name in dynamo's error says which form to use. A module compiled already keeps its own options.
-def _forward_from_compile(fdp: FastDataParallel, inputs: tuple, kwargs: dict) -> Any:
-    ctx = fdp._compile_ctx if fdp._compile_ctx is not None else enclosing_context()
-    return fdp._forward(inputs, kwargs, ctx)
-
-
-_forward_from_compile.__qualname__ = (
-    "FastDataParallel.forward [fastdp's host orchestration is not traced; for fullgraph=True "
-    "call model.compile(fullgraph=True) on the FastDataParallel, or wrap "
-    "torch.compile(module, fullgraph=True)]")
-_untraced_forward = torch._disable_dynamo(_forward_from_compile)
-
-
 class _Call:
     """One replica's task for the worker pool (a callable holding no reference to the wrapper)."""
 
@@ -356,13 +331,6 @@ class _Call:
         out = run_replica(*self.args)
         self.args = None
         return out
-
-
-def _apply_in_order(replicas: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[Any],
-                    devices: Sequence[torch.device]) -> list[Any]:
-    """The replicas one after the other on the caller's thread, in replica order."""
-    return [parallel_apply([r], [i], [k], [d])[0]
-            for r, i, k, d in zip(replicas, inputs, kwargs, devices)]
 
 
 def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:

@@ -3,11 +3,12 @@
 Reference: the same module compiled the same way, called on the same chunks in turn. Most tests
 use dynamo's ``eager``/``aot_eager`` backends (what fastdp controls is dynamo's side: contexts,
 guards, recompiles; the backend only turns graphs into code); one uses inductor. Compiles are
-counted with ``torch._dynamo.utils.counters``: frames converted (compiles and recompiles) and
-graphs made.
+counted as graphs made (``torch._dynamo.utils.counters``) plus dynamo's cache entries on the
+compiled code (one per compile or recompile).
 """
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -22,16 +23,35 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test starts from empty dynamo caches (cache entries live on shared code objects)."""
+def fresh_dynamo(caplog):
+    """Each test starts from empty dynamo caches (cache entries live on shared code objects);
+    dynamo's recompile reasons are captured for the failure messages (``recompiles()``)."""
+    gc.collect()  # earlier tests' garbage: its finalizers would run inside compiled calls
     dynamo.reset()
     counters.clear()
+    torch._logging.set_logs(recompiles=True)
+    caplog.set_level("DEBUG", logger="torch._dynamo")
     yield
+    torch._logging.set_logs()
     dynamo.reset()
+
+
+@pytest.fixture
+def recompiles(caplog):
+    return lambda: "\n".join(r.getMessage() for r in caplog.records if "ecompil" in r.getMessage())
 
 
 def compiles():
-    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
+    """Graphs dynamo made plus cache entries (compiles and recompiles) on the code a test
+    compiles: frames of unrelated code (a finalizer the garbage collector runs while dynamo's
+    callback is active) do not count."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.external_utils import wrap_inline
+
+    codes = [Net.forward.__code__, wrap_inline(make).__code__,  # wrap_inline: torch.nn classes
+             fastdp.FastDataParallel.forward.__code__]
+    entries = sum(len(_debug_get_cache_entry_list(c)) for c in codes)
+    return entries + counters["stats"]["unique_graphs"]
 
 
 class Net(nn.Module):
@@ -106,8 +126,7 @@ def test_steady_state_has_no_recompiles_and_compiles_once_for_all_replicas(form)
     dp = fastdp.FastDataParallel(compiled(net, form, backend="eager"), ["cpu"] * 3)
     x = torch.randn(48, 16)
     dp(x).sum().backward()
-    first = dict(counters["frames"]), counters["stats"]["unique_graphs"]
-    assert first[0]["total"] == 1 and first[1] == 1  # one compile for the three replicas
+    assert compiles() == 2  # one cache entry and one graph for the three replicas
     before = compiles()
     for _ in range(20):
         dp(x).sum().backward()
@@ -178,7 +197,7 @@ def compiled_wrapper(net, form, **options):
 
 
 @pytest.mark.parametrize("form", WRAPPER_FORMS)
-def test_compiling_the_wrapper_compiles_every_replica_without_warnings(form):
+def test_compiling_the_wrapper_compiles_every_replica_without_warnings(form, recompiles):
     net, ref = make(), make()
     plain = torch.compile(ref, backend="aot_eager")
     with warnings.catch_warnings(record=True) as caught:  # what a user's console would show
@@ -190,7 +209,7 @@ def test_compiling_the_wrapper_compiles_every_replica_without_warnings(form):
         before = compiles()
         for _ in range(20):
             dp(x).sum().backward()
-        assert compiles() == before
+        assert compiles() == before, (dict(counters["frames"]), recompiles())
     assert [str(w.message) for w in caught] == []
     for reason in counters["graph_break"]:  # at most the one clean break into the wrapper
         assert "FastDataParallel.forward" in reason
