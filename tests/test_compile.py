@@ -108,6 +108,10 @@ def test_compiled_module_replicas_match_compiled_plain_module(form):
         assert_step_matches(dp, net, plain, ref, x)
     assert counters["stats"]["unique_graphs"] > 0  # the replicas ran compiled code
     assert list(net.body) == list(net.body._modules.values())  # the original is intact
+    for r in next(iter(dp._replica_sets.values())).replicas:  # each runs itself, not the original
+        inner = r._orig_mod if form == "torch.compile" else r
+        entry = r.forward if form == "torch.compile" else r._compiled_call_impl
+        assert inner is not net and entry._torchdynamo_orig_callable.__self__ is inner
 
 
 def test_torch_compile_module_was_recursion_error_and_left_the_original_intact():
