@@ -25,6 +25,8 @@ right after linking). Otherwise (two forwards before one backward with copies, h
 the torch path without a backward) the set gets fresh copies (and a fresh node): slower, correct.
 Aliases are never overwritten, so they never need this.
 Rebuilds on structural change: see NOTE [ Replica invalidation ] in ``fastdp/_watch.py``.
+Compiled modules: NOTE [ Compiled replicas ] and NOTE [ CUDA graphs on replicas ] in
+``fastdp/_compiled.py``; ``no_sync()``'s leaves: NOTE [ no_sync ] in ``fastdp/_accumulate.py``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from torch.nn import Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, comm
+from fastdp._accumulate import LeafAccumulation
 from fastdp._compiled import (WarmKeys, compile_root, context_of, finish_replica, is_compiled,
                               mark_static, replicate_module, uses_cuda_graphs)
-from fastdp._accumulate import LeafAccumulation
 from fastdp._functions import ReduceAddCoalesced
 
 

@@ -186,7 +186,7 @@ class FastDataParallel(DataParallel):
                     outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
                 else:  # new inputs (WarmKeys) or CUDA graphs: NOTE [ CUDA graphs on replicas ]
                     outputs = apply_in_order(replicas, inputs, module_kwargs,
-                                              on.get("devices", self._devices))
+                                             on.get("devices", self._devices))
                     if warm is not None:
                         rs.warm.add(warm)
             if not self.gather_output:  # [beyond DP]
