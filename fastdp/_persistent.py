@@ -25,11 +25,12 @@ right after linking). Otherwise (two forwards before one backward with copies, h
 the torch path without a backward) the set gets fresh copies (and a fresh node): slower, correct.
 Aliases are never overwritten, so they never need this.
 Rebuilds on structural change: see NOTE [ Replica invalidation ] in ``fastdp/_watch.py``.
+Compiled modules: NOTE [ Compiled replicas ] and NOTE [ CUDA graphs on replicas ] in
+``fastdp/_compiled.py``; ``no_sync()``'s leaves: NOTE [ no_sync ] in ``fastdp/_accumulate.py``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ from torch.nn import Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, comm
+from fastdp._accumulate import LeafAccumulation
+from fastdp._compiled import (WarmKeys, compile_root, context_of, finish_replica, is_compiled,
+                              mark_static, replicate_module, uses_cuda_graphs)
 from fastdp._functions import ReduceAddCoalesced
 
 
@@ -106,12 +110,13 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return a.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
-class ReplicaSet:
+class ReplicaSet(LeafAccumulation):
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals)."""
 
     alias_same_device = True  # tests turn it off to exercise the copy path on one device
 
-    def __init__(self, network: Module, devices: list[torch.device]) -> None:
+    def __init__(self, network: Module, devices: list[torch.device],
+                 compile_ctx: Any = None) -> None:
         from fastdp import replicate as _rep
 
         if not _rep._replicatable_module(network):
@@ -119,6 +124,7 @@ class ReplicaSet:
                 "Cannot replicate network where python modules are children of ScriptModule")
         self.devices = list(devices)
         self.src_device = devices[0]
+        self.compile_ctx = compile_ctx  # the wrapper's torch.compile context (roots only)
         self.modules = list(network.modules())
         if any(isinstance(m, torch.jit.ScriptModule) for m in self.modules):
             raise NotCacheable("TorchScript modules are replicated afresh every step")
@@ -134,6 +140,11 @@ class ReplicaSet:
         self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
         self.token: _Token | None = None
+        self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
+        self.warm: WarmKeys | None = None
+        self.in_order = False
+        self.leaf_mode = False
+        self.marks: tuple = ()
         ext = _backend.ext()
         self.ext = ext if ext is not None and hasattr(ext, "RefreshState") else None
         self.state = self.ext.RefreshState() if self.ext is not None else None
@@ -177,9 +188,7 @@ class ReplicaSet:
         for _ in self.devices:
             row = []
             for m in self.modules:
-                r = m._replicate_for_data_parallel()
-                r._former_parameters = OrderedDict()
-                row.append(r)
+                row.append(replicate_module(m))  # NOTE [ Compiled replicas ]
             copies.append(row)
         for i, m in enumerate(self.modules):
             for key, child in m._modules.items():
@@ -203,6 +212,19 @@ class ReplicaSet:
                     else:
                         own = b if j == 0 else self.buffer_copies[j - 1][buf_index[b]]
                         setattr(row[i], key, own)
+        for row in copies:  # before the snapshots below: see NOTE [ Compiled replicas ]
+            for m, r in zip(self.modules, row):
+                finish_replica(m, r)
+        roots = [compile_root(row[0], self.compile_ctx) for row in copies]
+        self.warm = self._warm_keys()
+        contexts = [self.compile_ctx] + [context_of(m) for m in self.modules]
+        # NOTE [ CUDA graphs on replicas ]: one thread, in order, inputs at fixed addresses
+        self.in_order = (len(self.devices) > 1 and not self.meet
+                         and any(d.type == "cuda" for d in self.devices)
+                         and any(map(uses_cuda_graphs, contexts)))
+        if self.warm is not None or self.in_order:
+            mark_static(self.tensors)
+            mark_static(self.buffer_copies)
         self.copies = copies
         self._assign()
         slot_keys: dict[int, set] = {}
@@ -211,19 +233,33 @@ class ReplicaSet:
         for row in copies:
             for i, r in enumerate(row):
                 _watch.track_replica(r, frozenset(slot_keys.get(i, ())))
-        return [row[0] for row in copies]
+        return roots
 
-    def _assign(self) -> None:
-        """Point every replica's parameter slots at ``self.tensors`` (build and fresh tensors).
+    def _warm_keys(self) -> WarmKeys | None:
+        """Input keys seen, for sets running compiled code on several replicas, unless replicas
+        meet inside a forward (SyncBatchNorm, replication callbacks): they must run together."""
+        from fastdp.sync_batchnorm import _syncable
+
+        self.meet = any(_syncable(m) or hasattr(m, "__data_parallel_replicate__")
+                        for m in self.modules)
+        if len(self.devices) < 2 or self.meet or (
+                self.compile_ctx is None and not any(is_compiled(m) for m in self.modules)):
+            return None
+        return WarmKeys()
+
+    def _assign(self, tensors: list[list[torch.Tensor]] | None = None) -> None:
+        """Point every replica's parameter slots at ``tensors`` (default ``self.tensors``: build
+        and fresh tensors; the leaves of NOTE [ no_sync ] otherwise).
 
         As DataParallel's ``setattr``: a plain attribute (replicas' parameters are not leaves), plus
         an entry in ``_parameters`` so ``parameters()`` sees it; written straight into the dicts
         (no per-slot Python call), RNN weight lists rebuilt afterwards.
         """
+        self.leaf_mode = tensors is not None and tensors is not self.tensors
         for j, row in enumerate(self.copies):
-            tensors = self.tensors[j]
+            row_tensors = (self.tensors if tensors is None else tensors)[j]
             for i, key, k in self.slots:
-                r, t = row[i], tensors[k]
+                r, t = row[i], row_tensors[k]
                 if key in r._buffers:
                     r._buffers[key] = t
                     continue
@@ -255,12 +291,27 @@ class ReplicaSet:
     def _renew(self) -> None:
         """Fresh replica tensors (and, on the extension path, a fresh node)."""
         self.tensors = self._new_tensors()
+        if self.warm is not None or self.in_order:
+            mark_static(self.tensors)
         self._assign()
         if self.state is not None and self.any_grad:
             self.state.link(self.sources)
 
-    def refresh(self) -> list[Module]:
-        """This step's replicas: tensors refreshed from the originals, autograd linked."""
+    def _copy_buffers(self) -> None:
+        if len(self.devices) > 1 and self.buffers:
+            if self.buffer_state is not None:
+                self.buffer_state.copy(self.buffers)
+            else:
+                with torch.no_grad():
+                    comm.broadcast_into(self.buffers, self.buffer_copies)
+
+    def refresh(self, no_sync: bool = False) -> list[Module]:
+        """This step's replicas: tensors refreshed from the originals, autograd linked (on
+        leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
+        if no_sync and self.any_grad and torch.is_grad_enabled():
+            return self._refresh_no_sync()
+        if self.leaf_mode:
+            self._assign()  # back to the linked tensors; the leaves wait for the fold
         if self.state is not None:
             if self.copy_rows and self.state.graph_alive():
                 self._renew()  # a live graph may still need the copies' old values
@@ -269,12 +320,7 @@ class ReplicaSet:
         self.token = None
         if _watch.has_dirty():
             _watch.restore_dirty()
-        if len(self.devices) > 1 and self.buffers:
-            if self.buffer_state is not None:
-                self.buffer_state.copy(self.buffers)
-            else:
-                with torch.no_grad():
-                    comm.broadcast_into(self.buffers, self.buffer_copies)
+        self._copy_buffers()
         if self.state is not None:  # the node made by link() serves every step
             self.state.copy(self.sources)
             if self.any_grad and torch.is_grad_enabled():

@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _watch
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
+from fastdp._accumulate import fold
+from fastdp._compiled import apply_in_order, context_from_options, is_compiled, untraced_forward
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._planner import chunk_sizes_for
@@ -88,12 +91,18 @@ class FastDataParallel(DataParallel):
         self.module = module
         self.dim = dim
         self.persistent = persistent
-        self._replica_sets: dict[tuple[torch.device, ...], ReplicaSet] = {}
+        self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple[int, Any] | None = None
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
         weakref.finalize(self, self._pool.shutdown)
         self.gather_output = gather_output
+        self._compile_ctx: Any = None  # FastDataParallel.compile's torch.compile context
+        self._step_ctx: Any = None  # the context of the step in flight (compile or traced)
+        self._no_sync = False
+        self._step_rs: ReplicaSet | None = None  # the persistent set replicate() returned
+        self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
+        self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
         devs = self._resolve_devices(device_ids)
         self.chunk_sizes, self.balance = _balance.check_split_args(
             chunk_sizes, balance, None if devs is None else len(devs))
@@ -135,11 +144,19 @@ class FastDataParallel(DataParallel):
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # see NOTE [ Compiling the wrapper ]
+            return untraced_forward(self, inputs, kwargs)
+        return self._forward(inputs, kwargs, self._compile_ctx)
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
         with torch.autograd.profiler.record_function("FastDataParallel.forward"):
+            self._step_ctx = ctx
+            if self._pending_sets and not self._no_sync and torch.is_grad_enabled():
+                self._fold_pending()
             if not self.device_ids:
                 batch = None if self.gather_output else _balance.first_batch_size(
                     (inputs, kwargs), self.dim)
-                return self._direct(self.module(*inputs, **kwargs), batch, None)
+                return self._direct(self._module_for(ctx)(*inputs, **kwargs), batch, None)
             self._check_device_cached()
             devices, sizes, batch = self._devices, None, None
             if self.chunk_sizes is not None or self.balance is not None or not self.gather_output:
@@ -151,22 +168,74 @@ class FastDataParallel(DataParallel):
             ids = [public_id(d) for d in devices] if custom else self.device_ids
             if len(self._devices) == 1 and self._devices[0].type == "cpu":
                 # one CPU device: nothing to move
-                return self._direct(self.module(*inputs, **kwargs), batch, devices[0])
+                return self._direct(self._module_for(ctx)(*inputs, **kwargs), batch, devices[0])
             split = {} if sizes is None else {"chunk_sizes": sizes}
             inputs, module_kwargs = self.scatter(inputs, kwargs, ids, **split)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
-                out = self.module(*inputs[0], **module_kwargs[0])
+                out = self._module_for(ctx)(*inputs[0], **module_kwargs[0])
                 return self._direct(out, batch, devices[0])
             replicas = self.replicate(self.module, ids[: len(inputs)])
             on = {"devices": devices[: len(inputs)]} if custom else {}
+            rs, self._step_rs = self._step_rs, None
+            warm = rs.warm.new(inputs, module_kwargs) if rs is not None and rs.warm else None
+            in_order = warm is not None or (rs is not None and rs.in_order)
             with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
-                outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+                if not in_order:
+                    outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+                else:  # new inputs (WarmKeys) or CUDA graphs: NOTE [ CUDA graphs on replicas ]
+                    outputs = apply_in_order(replicas, inputs, module_kwargs,
+                                             on.get("devices", self._devices))
+                    if warm is not None:
+                        rs.warm.add(warm)
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
             return self.gather(outputs, self.output_device)
+
+    def _module_for(self, ctx: Any) -> Module:
+        """The module to call directly (no replicas), compiled with the wrapper's ``ctx``."""
+        if ctx is None or is_compiled(self.module):
+            return self.module
+        hit = self.__dict__.get("_direct_compiled")  # not a submodule: kept out of state_dict
+        if hit is None or hit[0] is not ctx or hit[1]._orig_mod is not self.module:
+            hit = self.__dict__["_direct_compiled"] = (ctx, ctx(self.module))
+        return hit[1]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()``: backward passes of forwards run inside keep every replica's
+        gradients on the replica, unreduced; the first grad-enabled forward outside folds them
+        into the originals' ``.grad``, so after its backward ``.grad`` equals plain gradient
+        accumulation. Saves one cross-device reduce of all parameters per micro-step. See
+        NOTE [ no_sync ] in ``fastdp/_accumulate.py``."""
+        old, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``Module.zero_grad``, also dropping gradients pending under ``no_sync()``."""
+        super().zero_grad(set_to_none)
+        for rs in self._pending_sets.values():
+            rs.drop_pending()
+
+    def _fold_pending(self) -> None:
+        pending = [p for p in (rs.take_pending() for rs in self._pending_sets.values()) if p]
+        self._pending_sets = {}
+        self.no_sync_stats["folds"] += 1
+        fold(pending)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile the module inside every replica with ``torch.compile``'s keyword options
+        (``mode``, ``backend``, ``dynamic``, ``fullgraph``, ``options``, ...); the wrapper's own
+        planning, scatter, threads and gather stay eager. See NOTE [ Compiling the wrapper ]."""
+        if args:
+            raise TypeError("FastDataParallel.compile takes torch.compile's keyword options only")
+        self._compile_ctx = context_from_options(**kwargs)
+        self.invalidate_replicas()
 
     def _direct(self, output: Any, batch: int | None, device: Any) -> Any:
         """The output of a forward that ran the module itself (no replicas, no gather)."""
@@ -208,14 +277,21 @@ class FastDataParallel(DataParallel):
         devs = _devs(device_ids)
         if not self.persistent or module is not self.module:
             return replicate(module, devs, not torch.is_grad_enabled())
-        key = tuple(devs)
+        ctx = self._step_ctx
+        key = tuple(devs) if ctx is None else (*devs, ctx)  # NOTE [ Compiling the wrapper ]
         rs = self._replica_sets.get(key)
         if rs is None or not rs.valid():
             try:
-                rs = self._replica_sets[key] = ReplicaSet(module, devs)
+                rs = self._replica_sets[key] = ReplicaSet(module, devs, ctx)
             except NotCacheable:
                 return replicate(module, devs, not torch.is_grad_enabled())
-        return rs.refresh()
+        self._step_rs = rs
+        replicas = rs.refresh(self._no_sync)
+        if rs.leaf_mode:
+            self.no_sync_stats["micro_steps"] += 1
+        if rs.leaves is not None:  # under no_sync: fold at the next step outside
+            self._pending_sets[id(rs)] = rs
+        return replicas
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                 device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:

@@ -10,7 +10,6 @@ so ``next(self.parameters())`` works inside a replica's forward.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -20,6 +19,7 @@ from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import comm
+from fastdp._compiled import finish_replica, replicate_module
 from fastdp._devices import as_device
 from fastdp._functions import Broadcast
 
@@ -76,9 +76,7 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     copies: list[list[Module]] = [[] for _ in devices]
     for module in modules:
         for j in range(num):
-            replica = module._replicate_for_data_parallel()
-            replica._former_parameters = OrderedDict()
-            copies[j].append(replica)
+            copies[j].append(replicate_module(module))  # NOTE [ Compiled replicas ]
 
     for i, module in enumerate(modules):
         for key, child in module._modules.items():
@@ -106,4 +104,7 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
                     setattr(replica, key, rg_copies[j][rg_idx[buf]])
                 else:
                     setattr(replica, key, not_rg_copies[j][not_rg_idx[buf]])
+    for i, module in enumerate(modules):
+        for j in range(num):
+            finish_replica(module, copies[j][i])
     return [copies[j][0] for j in range(num)]

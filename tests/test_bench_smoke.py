@@ -81,3 +81,20 @@ def test_gpu_suites_code_runs_on_cpu_devices_in_dry_run(tmp_path, monkeypatch):
     fast = [r for r in doc["records"] if r["mode"] in ("fastdp", "copy")]
     assert fast and all(r["status"] == "ok" for r in fast), [
         (r["suite"], r.get("op"), r.get("error")) for r in fast if r["status"] != "ok"]
+
+
+def test_compile_suite_records_compile_time_recompiles_and_floor_ratios(tmp_path):
+    """The compile suite at its tiny size (one 64-wide MLP on 2 CPU replicas, inductor)."""
+    pytest.importorskip("torch._dynamo")
+    doc = cli.main(["--tiny", "--no-progress", "--no-plots", "--replicas", "2", "--out",
+                    str(tmp_path), "--suite", "compile"])
+    recs = {r["mode"]: r for r in doc["records"] if r["suite"] == "compile"}
+    assert set(recs) == {"floor_compiled", "fastdp_compiled", "fastdp_wrapper",
+                         "dp_algo_compiled", "floor", "fastdp", "torch_dp"}
+    assert recs["torch_dp"]["status"] == "unsupported"
+    for m in ("fastdp_compiled", "fastdp_wrapper", "dp_algo_compiled", "fastdp"):
+        assert recs[m]["status"] == "ok", recs[m].get("error") or recs[m].get("check")
+        assert "vs_floor" in recs[m]["ratios"]
+    for m in ("floor_compiled", "fastdp_compiled", "fastdp_wrapper"):
+        assert {"first_step_s", "frames_first_step", "recompiles_20_steps"} <= set(recs[m])
+    assert "x floor" in (tmp_path / "table.txt").read_text()

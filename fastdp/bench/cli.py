@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from fastdp.bench import machine, plots, report, suites_cpu, suites_gpu
+from fastdp.bench import machine, plots, report, suite_compile, suites_cpu, suites_gpu
 from fastdp.bench.runner import Settings, Task, run_tasks
 
 CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate")
 GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
 MULTI_SUITES = ("multigpu-comm", "multigpu-replicate", "multigpu-steps")
-ALL_SUITES = CPU_SUITES + GPU_SUITES + MULTI_SUITES
+OPT_SUITES = ("compile",)  # only on request: compiling takes minutes
+ALL_SUITES = CPU_SUITES + GPU_SUITES + MULTI_SUITES + OPT_SUITES
 
 _PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
     "passthrough": suites_cpu.passthrough,
@@ -34,6 +35,7 @@ _PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
     "multigpu-comm": lambda s: suites_gpu.comm_tasks(s, multi=True),
     "multigpu-replicate": lambda s: suites_gpu.replicate_gpu_tasks(s, multi=True),
     "multigpu-steps": lambda s: suites_gpu.step_tasks(s, multi=True),
+    "compile": suite_compile.compile_tasks,
 }
 
 

@@ -1,0 +1,271 @@
+"""``torch.compile`` on replicas: compiled modules copied safely, every replica running compiled.
+
+NOTE [ Compiled replicas ]
+A module is compiled in one of two ways, and neither survives DataParallel's shallow copy:
+
+* ``torch.compile(m, ...)`` returns an ``OptimizedModule`` that holds ``m`` as ``_orig_mod`` and
+  forwards every attribute write it does not own to ``m``. ``Module._replicate_for_data_parallel``
+  writes ``_parameters``/``_buffers``/``_modules`` on the copy, so those writes land on ``m``
+  itself: ``m._modules`` becomes ``{'_orig_mod': m}`` and the next call recurses forever (the
+  RecursionError of issue 13; ``nn.DataParallel`` fails the same way). ``replicate_module``
+  copies the ``__dict__`` directly instead, and the copy's ``forward`` (bound to the original
+  ``m``) is rebuilt around the replica's own ``_orig_mod`` by ``OptimizedModule._initialize``.
+* ``m.compile(...)`` stores ``torch.compile(m._call_impl)`` in ``m._compiled_call_impl``, a
+  function closed over the *original* ``m``: a copy would run the original module (original
+  device, original tensors, gradients bypassing the reduce). The replica gets the same dynamo
+  context applied to its own ``_call_impl``.
+
+Both re-wrap with the user's own ``_TorchDynamoContext`` (the object ``torch.compile`` built), so
+``mode``, ``backend``, ``options``, ``dynamic``, ``fullgraph`` and ``recompile_limit`` are exactly
+the user's, and one backend instance serves every replica. Dynamo caches compiled code on code
+objects, guarded on the module's type and attributes, with parameters as graph inputs: replicas
+of one module pass each other's guards, so a replica set compiles once in all (replicas' plain
+tensors differ from ``nn.Parameter`` originals, so calling the original compiled module elsewhere
+is a second entry). For that, a step whose inputs a compiled set has not seen runs its replicas
+in order (``WarmKeys``); a partial batch then recompiles once for all replicas (dynamo's
+automatic dynamic shapes), as the plain compiled module on the chunks in turn does. A rebuilt
+replica set (see NOTE [ Replica invalidation ]) is re-wrapped from the *current* originals, and
+dynamo's guards reject code specialised on an attribute that changed, so no stale compiled code
+runs.
+
+``compile_root`` compiles a replica root with a context given to the wrapper
+(``FastDataParallel.compile`` or ``torch.compile(FastDataParallel(m))``): see NOTE [ Compiling
+the wrapper ] in ``fastdp/data_parallel.py``.
+
+Nothing here imports ``torch._dynamo`` (2 s): a module can only be compiled once it is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.utils._pytree import tree_leaves
+
+
+def _eval_frame() -> Any:
+    return sys.modules.get("torch._dynamo.eval_frame")
+
+
+def is_optimized(m: Module) -> bool:
+    """Whether ``m`` is ``torch.compile(module)``'s ``OptimizedModule``."""
+    ef = _eval_frame()
+    return ef is not None and isinstance(m, ef.OptimizedModule)
+
+
+def is_compiled(m: Module) -> bool:
+    """Whether calling ``m`` runs compiled code (either form)."""
+    return is_optimized(m) or m.__dict__.get("_compiled_call_impl") is not None
+
+
+def context_of_function(fn: Any) -> Any:
+    """The ``_TorchDynamoContext`` of a function ``torch.compile`` returned, or None."""
+    ef = _eval_frame()
+    code = getattr(fn, "__code__", None)
+    if ef is None or code is None or "self" not in code.co_freevars:
+        return None
+    ctx = fn.__closure__[code.co_freevars.index("self")].cell_contents
+    return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
+
+
+def context_of(m: Module) -> Any:
+    """The dynamo context that compiled ``m`` (``torch.compile(m)`` or ``m.compile()``), or None."""
+    if is_optimized(m):
+        return m.dynamo_ctx
+    return context_of_function(m.__dict__.get("_compiled_call_impl"))
+
+
+def replicate_module(m: Module) -> Module:
+    """``m._replicate_for_data_parallel()`` with empty ``_former_parameters``, safe for
+    ``OptimizedModule`` (whose own ``__setattr__`` would write into the original inner module)."""
+    if not is_optimized(m):
+        r = m._replicate_for_data_parallel()
+        r.__dict__["_former_parameters"] = OrderedDict()
+        return r
+    r = object.__new__(type(m))
+    d = dict(m.__dict__)
+    d["_parameters"] = {}
+    d["_buffers"] = dict(d["_buffers"])
+    d["_modules"] = dict(d["_modules"])
+    d["_is_replica"] = True
+    d["_former_parameters"] = OrderedDict()
+    object.__setattr__(r, "__dict__", d)
+    return r
+
+
+def finish_replica(orig: Module, r: Module) -> None:
+    """Point ``r``'s compiled entry at ``r`` itself (after its children were set); see NOTE."""
+    if is_optimized(orig):
+        r._initialize()  # forward = ctx(r._orig_mod.__call__), as OptimizedModule.__init__
+        r.__dict__["_torchdynamo_orig_callable"] = r._orig_mod.forward
+        return
+    impl = orig.__dict__.get("_compiled_call_impl")
+    if impl is None:
+        return
+    ctx = context_of_function(impl)
+    if ctx is None:  # set by hand to something else: cannot be re-aimed, so run the replica eager
+        _warn_once(f"fastdp: {type(orig).__name__}._compiled_call_impl is not a torch.compile "
+                   "function; its replicas run eager. Use torch.compile(module) instead.")
+    r.__dict__["_compiled_call_impl"] = None if ctx is None else ctx(r._call_impl)
+
+
+def compile_root(r: Module, ctx: Any) -> Module:
+    """Replica root ``r`` compiled with the wrapper's context, as ``torch.compile(r)`` would
+    (``OptimizedModule``: ``r.compile()``'s form compiles nothing for ``torch.nn``'s own classes,
+    whose frames dynamo skips); ``r`` itself if compiled already (the module's options win)."""
+    return r if ctx is None or is_compiled(r) else ctx(r)
+
+
+# NOTE [ CUDA graphs on replicas ]
+# mode="reduce-overhead" (and "max-autotune", backend="cudagraphs") replays CUDA graphs through
+# torch/_inductor/cudagraph_trees.py, whose rules decide how replicas may run:
+# * A tree manager (one memory pool, one recording state machine, no lock) exists per *thread*
+#   and device: ``get_container`` reads thread-local state, and autograd's device threads get
+#   the caller's containers through the TLS stash (so a backward uses the tree of the thread
+#   that called ``backward``). A compiled function binds the manager of the thread that first
+#   ran it. Replicas share one compiled entry (NOTE [ Compiled replicas ]), so replicas on
+#   worker threads would drive one tree from several threads at once (a race), and record
+#   their forwards in a tree other than the one their backward replays in.
+#   So a set whose context uses CUDA graphs runs its replicas *in order on the caller's thread*
+#   every step (``uses_cuda_graphs``; as the inline launch strategy does): one tree per device,
+#   forwards and backwards in it, kernels still asynchronous (distinct GPUs overlap).
+# * Within a step each replica's forward is a node of its own in the tree's path (the earlier
+#   replicas' outputs await their backward, so the next call cannot reuse their memory); the
+#   order is fixed, so the path is recorded once and replayed.
+# * Static inputs: inputs not marked static are copied into the graph's own buffers on every
+#   replay, i.e. all parameters of every replica, every step. Persistent replica tensors keep
+#   their addresses across steps, so they are marked static (``mark_static``,
+#   ``_dynamo_static_input_type = "unguarded"``: a changed address re-records the graph instead
+#   of failing a guard): after ``_renew`` or a rebuild the tree re-records once. no_sync's leaves
+#   share the persistent storage, hence the addresses.
+# Unverified on a GPU so far (tests/test_compile.py::test_reduce_overhead_* skip without one).
+
+
+def uses_cuda_graphs(ctx: Any) -> bool:
+    """Whether the dynamo context's backend replays CUDA graphs (see NOTE above)."""
+    ef = _eval_frame()
+    if ctx is None or ef is None:
+        return False
+    backend = ef.innermost_backend(ctx.callback)
+    config = getattr(backend, "config", None) or {}
+    return bool(config.get("triton.cudagraphs")) or getattr(
+        backend, "compiler_name", None) == "cudagraphs"
+
+
+def mark_static(tensors: Any) -> None:
+    """Mark persistent replica tensors as static graph inputs (see NOTE above)."""
+    for row in tensors:
+        for t in row:
+            t._dynamo_static_input_type = "unguarded"
+
+
+class WarmKeys:
+    """The input keys a compiled replica set has run on; a step with a new one runs its replicas
+    in order on the caller's thread (see NOTE [ Compiled replicas ]).
+
+    Dynamo looks its cache up before taking its compile lock, so replicas that miss together on
+    their worker threads compile the same code once each, and in no fixed order: a first entry
+    made for a chunk at storage offset 15 then misses the chunk at offset 0 (a second
+    recompile). In order, replica 0 compiles and the others hit its entry, exactly as the plain
+    module on the chunks in turn. Key: grad mode and, per input leaf, shape, dtype, device and
+    requires_grad (plain values as themselves). After ``limit`` keys (shapes that vary every
+    step: dynamic entries serve them) every step runs in parallel.
+    """
+
+    limit = 16
+
+    def __init__(self) -> None:
+        self._seen: set = set()
+
+    def new(self, inputs: Any, kwargs: Any) -> list | None:
+        """The step's unseen keys (to ``add`` after it ran), or None when all were seen."""
+        if len(self._seen) >= self.limit:
+            return None
+        keys = [_input_key(i, k) for i, k in zip(inputs, kwargs)]
+        return [k for k in keys if k not in self._seen] or None
+
+    def add(self, keys: list) -> None:
+        self._seen.update(keys)
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _input_key(args: tuple, kwargs: dict) -> tuple:
+    return (torch.is_grad_enabled(), tuple(
+        (x.shape, x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
+        else x if isinstance(x, _PLAIN) else type(x) for x in tree_leaves((args, kwargs))))
+
+
+def enclosing_context() -> Any:
+    """The dynamo context of the innermost ``torch.compile``'d call on this thread's stack, or
+    None: what compiled a caller that dynamo handed back to eager at a disabled frame."""
+    ef = _eval_frame()
+    if ef is None:
+        return None
+    f, name = sys._getframe(1), ef.__file__
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename == name:
+            ctx = f.f_locals.get("self")
+            return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
+        f = f.f_back
+    return None
+
+
+def context_from_options(**options: Any) -> Any:
+    """The dynamo context ``torch.compile(fn, **options)`` builds (None with ``disable=True``)."""
+    return context_of_function(torch.compile(_identity, **options))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    import warnings
+
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=4)
+
+
+# NOTE [ Compiling the wrapper ]
+# ``torch.compile(FastDataParallel(m))`` makes dynamo trace the wrapper's forward: planning,
+# scatter, threads and gather are host code it cannot capture (one graph break and warning per
+# fastdp op, slower than eager), and the replicas' forwards run on worker threads, where the
+# caller's compile context does not reach. So ``forward`` hands itself back to eager at once
+# (``torch.compiler.is_compiling()`` is true only while dynamo traces it; the disabled function
+# is one clean graph break, no warning) and compiles the module *inside* every replica instead,
+# with the context of the innermost ``torch.compile`` on the stack: the user's own options. The
+# replica sets are keyed by that context, so the compiled and the plain wrapper can alternate.
+# ``FastDataParallel.compile(**options)`` does the same without dynamo ever seeing the wrapper,
+# and is the form for ``fullgraph=True``: a wrapper step is never one graph, so
+# ``torch.compile(FastDataParallel(m), fullgraph=True)`` fails at the disabled function, whose
+# name in dynamo's error says which form to use. A module compiled already keeps its own options.
+def _forward_from_compile(fdp: Any, inputs: tuple, kwargs: dict) -> Any:
+    ctx = fdp._compile_ctx if fdp._compile_ctx is not None else enclosing_context()
+    return fdp._forward(inputs, kwargs, ctx)
+
+
+_forward_from_compile.__qualname__ = (
+    "FastDataParallel.forward [fastdp's host orchestration is not traced; for fullgraph=True "
+    "call model.compile(fullgraph=True) on the FastDataParallel, or wrap "
+    "torch.compile(module, fullgraph=True)]")
+untraced_forward = torch._disable_dynamo(_forward_from_compile)
+
+
+def apply_in_order(replicas: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[Any],
+                   devices: Sequence[torch.device]) -> list[Any]:
+    """The replicas one after the other on the caller's thread, in replica order."""
+    from fastdp.parallel_apply import parallel_apply
+
+    return [parallel_apply([r], [i], [k], [d])[0]
+            for r, i, k, d in zip(replicas, inputs, kwargs, devices)]

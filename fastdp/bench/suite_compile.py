@@ -1,0 +1,165 @@
+"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (issue 13).
+
+Per workload and replica count (CPU replicas ``['cpu'] * n``; replicas sharing cuda:0 when a GPU
+is present, unverified until a GPU run), timed interleaved:
+
+``floor_compiled``    the compiled module on the same chunks in turn, no wrapper: the compiled floor
+``fastdp_compiled``   ``FastDataParallel(torch.compile(m))``: every persistent replica compiled
+``fastdp_wrapper``    ``FastDataParallel(m).compile(...)``: the wrapper's form (same options)
+``dp_algo_compiled``  DataParallel's algorithm (fresh replicas every step, fastdp's port of
+                      torch's ``replicate``) with the compiled module
+``floor``             the eager module on the chunks in turn: the eager floor
+``fastdp``            eager ``FastDataParallel(m)``
+``torch_dp``          recorded as unsupported: ``nn.DataParallel`` has no CPU replicas, and its
+                      ``replicate`` writes a compiled module's copies into the module itself
+                      (RecursionError on the next step; see NOTE [ Compiled replicas ])
+
+Per compiled mode the JSON has ``first_step_s`` (the first step: dynamo + backend compile,
+forward and backward), ``frames_first_step`` (dynamo frames compiled by it: 0 when it reused
+entries an earlier mode made) and ``recompiles_20_steps`` (dynamo frames + graphs made over 20
+steady steps: 0 means no recompiles and no new graphs). Ratios: ``x floor`` against the floor of
+the same kind (compiled or eager), ``x eager`` against eager fastdp.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import fastdp.bench.workloads as wl
+from fastdp.bench import modes
+from fastdp.bench.runner import Settings, Task, guarded, time_into
+
+COMPILED = ("floor_compiled", "fastdp_compiled", "fastdp_wrapper", "dp_algo_compiled")
+EAGER = ("floor", "fastdp")
+FLOOR = {"fastdp_compiled": "floor_compiled", "fastdp_wrapper": "floor_compiled",
+         "dp_algo_compiled": "floor_compiled", "fastdp": "floor"}
+_TORCH_DP = ("nn.DataParallel has no CPU replicas (without CUDA it calls the module directly), "
+             "and its replicate() corrupts a torch.compile'd module (RecursionError)")
+
+
+def gelu_mlp(width: int, depth: int = 4, out: int = 8) -> nn.Sequential:
+    """The issue's model: ``depth`` x (Linear(width, width), GELU) + Linear(width, out)."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, out))
+
+
+# name -> (width, batch) per profile: the issue's 64-wide MLP at batch 64, and a wider one
+WORKLOADS = {
+    "tiny": {"gelu-mlp64": (64, 64)},
+    "quick": {"gelu-mlp64": (64, 64), "gelu-mlp256": (256, 256)},
+    "cpu": {"gelu-mlp64": (64, 64), "gelu-mlp256": (256, 256), "gelu-mlp512": (512, 512)},
+}
+
+
+def _counts() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
+
+
+def _frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
+    options = options or {}  # torch.compile's defaults: inductor, mode "default"
+    kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    table = WORKLOADS.get(s.profile, WORKLOADS["cpu"])
+    ns = [n for n in s.replicas if n > 1] or [2]
+    return [Task("compile", f"{name} {kind} x{n}",
+                 lambda name=name, wb=wb, kind=kind, n=n: _run(s, name, wb, kind, n, options))
+            for name, wb in table.items() for kind in kinds for n in ns]
+
+
+def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int,
+         options: dict) -> list[dict]:
+    import torch._dynamo
+
+    import fastdp
+
+    width, batch = wb
+    dev = "cpu" if kind == "cpu" else "cuda:0"
+    ids = ["cpu"] * n if kind == "cpu" else [0] * n
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = gelu_mlp(width).to(dev).train()
+    torch.manual_seed(1)
+    args = (torch.randn(batch, width, device=dev),)
+    chunks = modes.chunk_inputs(args, n)
+    cm = torch.compile(model, **options)
+    base = {"suite": "compile", "workload": name, "input": "tensor", "replicas": n,
+            "devices": [str(torch.device(dev))] * n, "batch": batch, "width": width,
+            "step": "train", "compile_options": {k: str(v) for k, v in options.items()}}
+    wrapper = fastdp.FastDataParallel(model, device_ids=ids)
+    wrapper.compile(**options)
+    calls: dict[str, tuple[Callable, nn.Module | None]] = {
+        "floor_compiled": (_on_chunks(cm, chunks), None),
+        "fastdp_compiled": (fastdp.FastDataParallel(cm, device_ids=ids), cm),
+        "fastdp_wrapper": (wrapper, cm),
+        "dp_algo_compiled": (modes.dp_algorithm_class()(cm, device_ids=ids), cm),
+        "floor": (_on_chunks(model, chunks), None),
+        "fastdp": (fastdp.FastDataParallel(model, device_ids=ids), model),
+    }
+    recs = {m: {**base, "mode": m} for m in calls}
+    steps: dict[str, Callable[[], None]] = {}
+    for m, (call, ref) in calls.items():
+        def setup(r: dict, m: str = m, call: Callable = call, ref: nn.Module | None = ref) -> None:
+            step = modes.train_step(call, () if ref is None else args)
+            before, t0 = _frames(), time.perf_counter()
+            step()
+            if m in COMPILED:
+                r["first_step_s"] = time.perf_counter() - t0
+                r["frames_first_step"] = _frames() - before
+            if ref is not None and s.check:  # the wrapper against its module on the chunks
+                r["check"] = modes.check(ref, call, args, n, dev,
+                                         s.rtol_cuda if kind == "cuda" else s.rtol_cpu)
+                if not r["check"]["ok"]:
+                    r["status"] = "check_failed"
+            for _ in range(3):
+                step()
+            before = _counts()
+            for _ in range(20):
+                step()
+            r["recompiles_20_steps"] = _counts() - before
+            steps[m] = step
+        guarded(recs[m], setup)
+    model.zero_grad(set_to_none=True)
+    time_into(s, steps, recs)
+    model.zero_grad(set_to_none=True)
+    _ratios(recs)
+    out = list(recs.values())
+    out.append({**base, "mode": "torch_dp", "status": "unsupported", "error": _TORCH_DP})
+    torch._dynamo.reset()
+    return out
+
+
+def _on_chunks(module: Callable, chunks: list[tuple]) -> Callable:
+    """The module on the chunks in turn, outputs concatenated (the floor of a wrapper)."""
+    def call() -> torch.Tensor:
+        return modes.concat_outputs([module(*c) for c in chunks])
+
+    return call
+
+
+def _ratios(recs: dict[str, dict]) -> None:
+    def med(m: str) -> float | None:
+        return (recs.get(m, {}).get("time_ms") or {}).get("median_ms")
+
+    for m, r in recs.items():
+        t = med(m)
+        if t is None:
+            continue
+        rat = {}
+        if m in FLOOR and med(FLOOR[m]):
+            rat["vs_floor"] = t / med(FLOOR[m])
+        if m != "fastdp" and med("fastdp"):
+            rat["vs_fastdp_eager"] = t / med("fastdp")
+        r["ratios"] = rat
