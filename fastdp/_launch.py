@@ -83,7 +83,7 @@ class _Entry:
 
 
 class AutoLaunch:
-    """The ``auto`` strategy's measurements and choices, per key (see NOTE [ Launch strategies ])."""
+    """``auto``'s measurements and choices, per key (see NOTE [ Launch strategies ])."""
 
     WARMUP = 1  # untimed steps per strategy before the first trial
     TRIALS = 3  # timed steps per strategy in a trial

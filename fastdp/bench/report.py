@@ -327,15 +327,16 @@ def headline_markdown(doc: dict) -> str:
         lines.append("")
     if head.get("steps_fastdp"):
         lines += ["| suite | workload | input | replicas | fastdp step (ms) | x floor | x bare "
-                  "| x dp_algo | x nn.DataParallel |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| x dp_algo | x nn.DataParallel |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['suite']} | {r['workload']} | {r['input']} | {r['replicas']} | "
                   f"{_fmt(r['step_ms'])} | {_fmt(r.get('vs_floor'))} | {_fmt(r.get('vs_bare'))} | "
                   f"{_fmt(r.get('vs_dp_algo'))} | {_fmt(r.get('vs_torch_dp'))} |"
                   for r in head["steps_fastdp"]]
         lines.append("")
     if head.get("launch"):
-        lines += ["| suite | workload | replicas | floor (ms) | threads (x floor) | inline (x floor) "
-                  "| auto (x floor) | auto picked | auto / threads |",
+        lines += ["| suite | workload | replicas | floor (ms) | threads (x floor) "
+                  "| inline (x floor) | auto (x floor) | auto picked | auto / threads |",
                   "|---|---|---:|---:|---:|---:|---:|---|---:|"]
         lines += [f"| {r['suite']} | {r['workload']} | {r['replicas']} | {_fmt(r['floor_ms'])} | "
                   f"{_fmt(r['threads_ms'])} ({_fmt(r['threads_x_floor'])}) | "

@@ -115,8 +115,9 @@ def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str]
     """Checks each wrapper, then times every mode of ``mode_list`` interleaved; one record each.
 
     ``bare`` runs ``bare_model`` (default ``model``) on the whole batch, ``floor`` on the
-    replicas' chunks in turn (neither is checked); the wrappers run on ``devices``. A mode that fails its set-up or first step is recorded and left
-    out of the timing; the others are still timed.
+    replicas' chunks in turn (neither is checked); the wrappers run on ``devices``. A mode that
+    fails its set-up or first step is recorded and left out of the timing; the others are still
+    timed. ``auto`` wrappers are timed once their trial steps are over (``modes.settle``).
     """
     base = {"suite": suite, "workload": w.name, "input": input_kind or w.input_kind,
             "replicas": n, "step": step, "batch": w.batch, "layers": w.layers, **(extra or {})}
