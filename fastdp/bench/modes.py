@@ -13,7 +13,8 @@ Modes (``MODES``):
   ``fastdp_noext``  the same with the C++ extension disabled (``fastdp._backend.use_extension``).
   ``dp_algo``       DataParallel's algorithm in fastdp's pipeline: a ``FastDataParallel`` whose
                     ``replicate`` seam builds fresh replicas every step with
-                    ``fastdp.replicate.replicate`` (torch's replicate ported to every device type).
+                    ``fastdp.replicate.replicate`` (torch's replicate ported to every device type),
+                    its replicas on threads as DataParallel's.
 A step is forward, loss (mean of squares of every output) and backward; gradients accumulate (no
 ``zero_grad``, no optimizer step), so a step times the wrapper plus the model and nothing else.
 """
@@ -33,7 +34,7 @@ MODES = ("bare", "floor", "torch_dp", "fastdp", "fastdp_threads", "fastdp_inline
          "dp_algo")
 WRAPPERS = ("torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext", "dp_algo")
 LAUNCH_MODES = {"fastdp": "auto", "fastdp_threads": "threads", "fastdp_inline": "inline",
-                "fastdp_noext": "auto", "dp_algo": "auto"}
+                "fastdp_noext": "auto", "dp_algo": "threads"}  # dp_algo: DataParallel's threads
 
 
 _MODULE_METHODS = ("__setattr__", "__delattr__", "__getattr__", "add_module", "register_module",
