@@ -162,6 +162,7 @@ class ReplicaSet(LeafAccumulation):
         _watch.watch(self.modules)
         self.generation = _watch.generation()  # after building: building bumps it
         self.signature = tensor_signature(self.watched)
+        self.verified: Any = None  # see valid()
 
     def _new_tensors(self) -> list[list[torch.Tensor]]:
         with torch.inference_mode(False):
@@ -270,12 +271,21 @@ class ReplicaSet(LeafAccumulation):
                 r = row[i]
                 r._flat_weights = [r.__dict__.get(n) for n in r._flat_weights_names]
 
-    def valid(self) -> bool:
+    def valid(self, verified: Any = None) -> bool:
+        """Whether the replicas still match the module. ``verified``: the wrapper's record of a
+        signature check passed this step (NOTE [ One signature per step ] in data_parallel.py);
+        when the set was last validated under the same record, its own signature is skipped."""
         ext = _backend.ext()
         if (ext if ext is not None and hasattr(ext, "RefreshState") else None) is not self.ext:
             return False  # the backend was switched: rebuild for the other path
-        return (self.generation == _watch.generation()
-                and self.signature == tensor_signature(self.watched))
+        if self.generation != _watch.generation():
+            return False
+        if verified is not None and verified is self.verified:
+            return True
+        if self.signature != tensor_signature(self.watched):
+            return False
+        self.verified = verified
+        return True
 
     def copy_sources(self, sources: tuple[torch.Tensor, ...]) -> None:
         """Copy the originals into replicas 1.. (called by Refresh.forward, under no_grad)."""

@@ -6,6 +6,7 @@ See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -22,12 +23,20 @@ from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own
 from fastdp._accumulate import fold
 from fastdp._compiled import apply_in_order, context_from_options, is_compiled, untraced_forward
 from fastdp._devices import as_device, as_devices, public_id
+from fastdp._launch import AutoLaunch, input_key, resolve_launch
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._planner import chunk_sizes_for
 from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
 from fastdp.criterion import Scattered
-from fastdp.parallel_apply import capture_state, parallel_apply, raise_first_error, run_replica
+from fastdp.parallel_apply import (
+    capture_state,
+    must_run_concurrently,
+    parallel_apply,
+    raise_first_error,
+    run_inline,
+    run_replica,
+)
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
@@ -68,6 +77,10 @@ class FastDataParallel(DataParallel):
             batch by largest-remainder rounding (0 skips a device). Exclusive with chunk_sizes.
         gather_output: keyword-only; False makes ``forward`` return a ``fastdp.Scattered`` of the
             per-replica outputs (see ``fastdp.ParallelCriterion``).
+        launch: keyword-only; how replicas run: ``"threads"`` (one worker thread each),
+            ``"inline"`` (in turn on the caller's thread) or ``"auto"`` (measure both, keep the
+            faster). Default ``FASTDP_LAUNCH``, else ``"auto"``; see NOTE [ Launch strategies ]
+            in ``fastdp/_launch.py``. ``launch_report()`` shows what ``auto`` picked.
 
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
@@ -85,6 +98,7 @@ class FastDataParallel(DataParallel):
         chunk_sizes: Sequence[int] | None = None,
         balance: Sequence[float] | None = None,
         gather_output: bool = True,
+        launch: str | None = None,
     ) -> None:
         Module.__init__(self)
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
@@ -93,6 +107,10 @@ class FastDataParallel(DataParallel):
         self.persistent = persistent
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple[int, Any] | None = None
+        self._verified: Any = None  # this step's passed _checked; see _check_device_cached
+        self.launch = resolve_launch(launch)
+        self.last_launch: str | None = None  # the strategy the last multi-replica step ran
+        self._auto = AutoLaunch()
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
         weakref.finalize(self, self._pool.shutdown)
@@ -252,11 +270,21 @@ class FastDataParallel(DataParallel):
         return load_wrapped_state_dict(self, state_dict, strict, assign)
 
     def _check_device_cached(self) -> None:
-        """DataParallel's per-step device check, re-run only when the module changed."""
+        """DataParallel's per-step device check, re-run only when the module changed.
+
+        NOTE [ One signature per step ]
+        The signature of the module's tensors is computed once per step, here. When it matches
+        ``self._checked`` (same generation too), ``self._verified`` is set to that record, and
+        ``replicate`` (same step) skips the ReplicaSet's own signature when the set was last
+        fully validated under the same record: the set's tensors are the module's parameters and
+        buffers, unchanged since then. Any other call of ``replicate`` validates fully.
+        """
+        self._verified = None
         gen = _watch.generation()
         if self._checked is not None and self._checked[0] == gen:
             tensors = self._checked[2]
             if tensors is not None and tensor_signature(tensors) == self._checked[1]:
+                self._verified = self._checked
                 return
         _check_device(self.module, self.src_device_obj)
         if not self.persistent:
@@ -280,7 +308,8 @@ class FastDataParallel(DataParallel):
         ctx = self._step_ctx
         key = tuple(devs) if ctx is None else (*devs, ctx)  # NOTE [ Compiling the wrapper ]
         rs = self._replica_sets.get(key)
-        if rs is None or not rs.valid():
+        verified, self._verified = self._verified, None  # see NOTE [ One signature per step ]
+        if rs is None or not rs.valid(verified):
             try:
                 rs = self._replica_sets[key] = ReplicaSet(module, devs, ctx)
             except NotCacheable:
@@ -302,18 +331,42 @@ class FastDataParallel(DataParallel):
                        kwargs: Any, devices: Sequence[Any] | None = None) -> list[Any]:
         if devices is None:
             devices = self._devices[: len(replicas)]
+        launch = self.launch
+        if launch != "threads" and must_run_concurrently(replicas):
+            launch = "threads"  # see NOTE [ Replicas that must run at once ]
         if not self.persistent or len(replicas) < 2:
-            return parallel_apply(replicas, inputs, kwargs, devices)
+            self.last_launch = "threads" if launch == "auto" else launch
+            return parallel_apply(replicas, inputs, kwargs, devices, launch=self.last_launch)
         if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
             self._pool.drain()
             self.invalidate_replicas()
-        state = capture_state()
+        state = capture_state(devices)
         kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
         fns = [_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
                for i in range(len(replicas))]
-        results = self._pool.run(fns)
+        if launch != "auto":
+            self.last_launch = launch
+            results = self._launch(launch, fns)
+        else:  # see NOTE [ Launch strategies ]
+            key = (tuple(devices), input_key(inputs, kwargs), state["grad"])
+            launch, timed = self._auto.pick(key)
+            self.last_launch = launch
+            t0 = time.perf_counter()
+            results = self._launch(launch, fns)
+            if timed:
+                self._auto.record(key, launch, time.perf_counter() - t0)
         raise_first_error(results)
         return results
+
+    def _launch(self, launch: str, fns: list[_Call]) -> list[Any]:
+        return run_inline(fns) if launch == "inline" else self._pool.run(fns)
+
+    def launch_report(self) -> list[dict[str, Any]]:
+        """What ``launch="auto"`` measured and chose, one record per (devices, inputs, grad):
+        ``choice`` (``"threads"``/``"inline"``, None while measuring), ``threads_ms``/``inline_ms``
+        (median forward wall times of the last trial) and ``trials``. Empty under a forced
+        strategy."""
+        return self._auto.report()
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
         return gather(outputs, _dev(output_device, self), dim=self.dim)

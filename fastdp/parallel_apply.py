@@ -1,15 +1,18 @@
-"""Run each replica on its own thread, carrying the caller's thread-local state.
+"""Run the replicas, each under the caller's thread-local state, on threads or in turn inline.
 
 Grad mode, inference mode and autocast (enabled flag *and* dtype, per device type; DataParallel
 carries only the CUDA flag) reach every replica; CUDA replicas run under their device and the
-caller's current stream of that device. A replica's exception is re-raised in the caller as its own
-type with ``Caught X in replica i on device d.`` and the original traceback.
+caller's current stream of that device (read in the caller: see NOTE [ The caller's streams ]). A
+replica's exception is re-raised in the caller as its own type with ``Caught X in replica i on
+device d.`` and the original traceback, whichever launch strategy ran it
+(see NOTE [ Launch strategies ] in ``fastdp/_launch.py``).
 """
 
 from __future__ import annotations
 
 import threading
 import traceback
+import weakref
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -20,8 +23,10 @@ from torch.nn import Module
 from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp._devices import as_device
+from fastdp._launch import resolve_launch
 
-__all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise"]
+__all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise",
+           "run_inline", "must_run_concurrently"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -33,8 +38,16 @@ class ReplicaAborted(RuntimeError):
     """
 
 
-def capture_state() -> dict[str, Any]:
-    """The caller's thread-local state that replicas must see."""
+# NOTE [ The caller's streams ]
+# The current CUDA stream is thread-local: a worker thread's current stream is the default stream,
+# whatever the caller entered with ``torch.cuda.stream(s)``. So the streams are read here, in the
+# caller (as torch.nn.parallel.parallel_apply does), and entered by the replica (enter_state); a
+# replica reading ``current_stream`` itself would run on the worker's default stream, unordered
+# with the caller's work on ``s``: wrong values, silently.
+
+
+def capture_state(devices: Sequence[torch.device] = ()) -> dict[str, Any]:
+    """The caller's thread-local state that replicas must see, streams of ``devices`` included."""
     autocast = {}
     for dt in _AUTOCAST_TYPES:
         if dt == "cuda" and not torch.cuda.is_available():
@@ -46,6 +59,7 @@ def capture_state() -> dict[str, Any]:
         "inference": torch.is_inference_mode_enabled(),
         "autocast": autocast,
         "autocast_cache": torch.is_autocast_cache_enabled(),
+        "streams": {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"},
     }
 
 
@@ -62,7 +76,10 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
             stack.enter_context(torch.autocast("cuda", enabled=False))
     if device.type == "cuda":
         stack.enter_context(torch.cuda.device(device.index))
-        stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(device)))
+        stream = state["streams"].get(device)
+        if stream is None:  # a device the caller did not name: its current stream, read now
+            stream = torch.cuda.current_stream(device)
+        stack.enter_context(torch.cuda.stream(stream))
 
 
 # NOTE [ Ctrl-C during a step ]
@@ -113,16 +130,51 @@ def run_replica(i: int, module: Module, inp: Any, kwargs: dict, device: torch.de
         return ExceptionWrapper(where=f"in replica {i} on device {_public(device)}")
 
 
+# NOTE [ Replicas that must run at once ]
+# The one rule that overrides every launch strategy: replicas that meet each other during their
+# forward (fastdp's SyncBatchNorm rendezvous; modules with ``__data_parallel_replicate__``
+# callbacks, whose copies talk through queues, as Synchronized-BatchNorm's SyncMaster) would wait
+# forever for a replica that has not started if run in turn. ``prepare_replicas`` marks such
+# replica sets for the duration of its ``with`` block; a marked set always runs on threads.
+_CONCURRENT: weakref.WeakSet = weakref.WeakSet()
+
+
+def require_concurrent(modules: Sequence[Module], on: bool = True) -> None:
+    """Mark (or unmark) ``modules`` as replicas that must run at once (one thread each)."""
+    if modules:
+        (_CONCURRENT.add if on else _CONCURRENT.discard)(modules[0])
+
+
+def must_run_concurrently(modules: Sequence[Module]) -> bool:
+    return bool(_CONCURRENT) and bool(modules) and modules[0] in _CONCURRENT
+
+
+def run_inline(fns: Sequence[Any]) -> list[Any]:
+    """The ``inline`` strategy: call each replica's task in turn on this thread.
+
+    Tasks never raise (``run_replica`` wraps errors), so every replica runs, as on threads, and
+    ``raise_first_error`` picks the same error. A KeyboardInterrupt propagates at once, with
+    nothing left running (the later replicas do not run).
+    """
+    return [fn() for fn in fns]
+
+
 def parallel_apply(
     modules: Sequence[Module],
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[Any] | None = None,
+    *,
+    launch: str | None = None,
 ) -> list[Any]:
     """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel.
 
     Without ``devices``, each replica runs on the device of its first tensor input (the current
     CUDA device, else the CPU, when it has none), as ``torch.nn.parallel.parallel_apply`` infers.
+    ``launch``: ``"threads"`` (one thread per replica, as torch's) or ``"inline"`` (in turn on this
+    thread); default ``FASTDP_LAUNCH``, else threads (``"auto"`` needs the state a
+    ``FastDataParallel`` keeps between steps, so here it means threads). Replicas that must run at
+    once always run on threads (NOTE [ Replicas that must run at once ]).
     """
     if len(modules) != len(inputs):
         raise AssertionError(
@@ -146,13 +198,17 @@ def parallel_apply(
     else:
         devs = [as_device(d) for d in devices]
     _wait_for_stragglers()
-    state = capture_state()
+    state = capture_state(devs)
     results: list[Any] = [None] * len(modules)
 
     def work(i: int) -> None:
         results[i] = run_replica(i, modules[i], inputs[i], kwargs_tup[i], devs[i], state)
 
-    if len(modules) > 1:
+    if resolve_launch(launch) == "inline" and not must_run_concurrently(modules):
+        results = run_inline([lambda i=i: run_replica(i, modules[i], inputs[i], kwargs_tup[i],
+                                                      devs[i], state)
+                              for i in range(len(modules))])
+    elif len(modules) > 1:
         threads = [threading.Thread(target=work, args=(i,), daemon=True)
                    for i in range(len(modules))]
         try:

@@ -35,7 +35,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn import Module, SyncBatchNorm
 
-from fastdp.parallel_apply import ReplicaAborted
+from fastdp.parallel_apply import ReplicaAborted, require_concurrent
 
 __all__ = ["CallbackContext", "prepare_replicas"]
 
@@ -288,8 +288,11 @@ def _callbacks(replicas: Sequence[Module], cb_pos: list[int]) -> list[list[tuple
 class _Prepared:
     """Context manager returned by ``prepare_replicas``; restores the replicas' forwards on exit."""
 
-    def __init__(self, installed: list[tuple[Module, _Forward]]) -> None:
+    def __init__(self, installed: list[tuple[Module, _Forward]],
+                 concurrent: Sequence[Module] = ()) -> None:
         self.installed = installed
+        self.concurrent = list(concurrent)
+        require_concurrent(self.concurrent)  # see NOTE [ Replicas that must run at once ]
 
     def __enter__(self) -> _Prepared:
         return self
@@ -301,6 +304,8 @@ class _Prepared:
             else:
                 module.__dict__["forward"] = fwd.inner
         self.installed = []
+        require_concurrent(self.concurrent, on=False)
+        self.concurrent = []
 
 
 def _timeout(timeout: float | None) -> float:
@@ -318,8 +323,9 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
         with prepare_replicas(replicas):
             outputs = parallel_apply(replicas, inputs, kwargs, devices)
 
-    The replicas must run concurrently (one thread each, as ``parallel_apply`` does). Works with
-    fresh or cached replicas: nothing is left on them after the ``with`` block.
+    The replicas must run concurrently (one thread each): inside the block, ``parallel_apply``
+    runs them on threads whatever the launch strategy (NOTE [ Replicas that must run at once ]).
+    Works with fresh or cached replicas: nothing is left on them after the ``with`` block.
 
     Args:
         replicas: the step's replicas (module trees isomorphic to the original).
@@ -333,8 +339,10 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
     for copy_id, mods in enumerate(callbacks):  # master copy first, as DataParallelWithCallback
         for j, m in mods:
             m.__data_parallel_replicate__(ctxs.setdefault(j, CallbackContext()), copy_id)
-    if len(replicas) < 2 or not names:
+    if len(replicas) < 2:
         return _Prepared([])
+    if not names:  # callbacks' copies may talk to each other during forward: run them at once
+        return _Prepared([], replicas if any(callbacks) else ())
     rv = _Rendezvous(len(replicas), _timeout(timeout), names)
     installed = []
     for rank, root in enumerate(replicas):
@@ -345,4 +353,4 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
             installed.append((root, _Forward(root, rv, rank, None, root=True)))
     for m, fwd in installed:
         m.__dict__["forward"] = fwd
-    return _Prepared(installed)
+    return _Prepared(installed, replicas)

@@ -6,6 +6,22 @@ from fastdp import _backend
 from fastdp.testing import BACKENDS, set_backend
 
 
+# NOTE [ Tests under each launch strategy ]
+# The files that exercise replicas end to end (parity, persistent, stateful, faults, upstream,
+# thread state, errors) use the ``launch`` fixture: each of their tests runs once per strategy,
+# forced through FASTDP_LAUNCH (read when a wrapper is made). With FASTDP_LAUNCH set in the
+# environment only that strategy runs, and every other test sees it too (one CI job per strategy).
+LAUNCHES = ([os.environ["FASTDP_LAUNCH"]] if os.environ.get("FASTDP_LAUNCH")
+            else ["threads", "inline", "auto"])
+
+
+@pytest.fixture(params=LAUNCHES)
+def launch(request, monkeypatch):
+    """Run the test with ``FASTDP_LAUNCH`` set to each launch strategy in turn."""
+    monkeypatch.setenv("FASTDP_LAUNCH", request.param)
+    return request.param
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Run the test once with the C++ extension allowed and once on the pure-torch path."""

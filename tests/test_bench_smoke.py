@@ -49,18 +49,36 @@ def test_bench_records_cover_every_cpu_suite_and_mode(tiny_run):
         assert (suite, mode) in seen, (suite, mode)
     timed = [r for r in recs if r.get("status") == "ok"]
     assert timed and all({"min_ms", "median_ms", "max_ms"} <= set(r["time_ms"]) for r in timed)
-    checked = [r for r in recs if r["suite"] == "cpu-replicas" and r["mode"] != "bare"
-               and r.get("status") != "unsupported"]
+    checked = [r for r in recs if r["suite"] == "cpu-replicas" and r["mode"] not in (
+        "bare", "floor") and r.get("status") != "unsupported"]
     assert checked and all("check" in r for r in checked)
     over = [r for r in recs if r["suite"] == "overhead" and r["mode"] == "fastdp"]
     assert over and all("wrapper_calls_per_step" in r and "overhead_ms" in r for r in over)
     assert all({"total", "model", "outside"} <= set(r["calls"]) for r in over)
 
 
+def test_bench_compares_launch_strategies_against_the_floor(tiny_run):
+    out, doc = tiny_run
+    recs = [r for r in doc["records"] if r["suite"] in ("cpu-replicas", "overhead")
+            and r.get("status") == "ok"]
+    for suite in ("cpu-replicas", "overhead"):
+        modes = {r["mode"] for r in recs if r["suite"] == suite}
+        assert {"fastdp", "fastdp_threads", "fastdp_inline"} <= modes, (suite, modes)
+    fast = [r for r in recs if r["mode"].startswith("fastdp") and r.get("replicas", 1) > 1]
+    assert fast and all("vs_floor" in r["ratios"] for r in fast)
+    auto = [r for r in fast if r["mode"] == "fastdp"]
+    assert auto and all(r["launch"] == "auto" and r["launch_pick"] for r in auto)
+    assert all(p["choice"] in ("threads", "inline") for r in auto for p in r["launch_pick"])
+    with open(out / "results.json") as f:
+        rows = json.load(f)["headline"]["launch"]
+    assert {r["workload"] for r in rows} >= {"mlp10", "wide8"}
+    assert all(r["floor_ms"] and r["auto_x_floor"] and r["auto_x_threads"] for r in rows)
+
+
 def test_bench_writes_table(tiny_run):
     out, _ = tiny_run
     text = (out / "table.txt").read_text()
-    assert "cpu-replicas" in text and "replicate" in text
+    assert "cpu-replicas" in text and "replicate" in text and "x floor" in text
 
 
 @pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
@@ -68,6 +86,7 @@ def test_bench_writes_png_plots(tiny_run):
     out, doc = tiny_run
     pngs = [p for p in os.listdir(out) if p.endswith(".png")]
     assert "replicate.png" in pngs and "steps_cpu-replicas.png" in pngs
+    assert "launch_x_floor.png" in pngs
     assert doc["meta"]["plots"]
 
 

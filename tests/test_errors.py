@@ -6,6 +6,8 @@ from torch import nn
 
 from fastdp import FastDataParallel
 
+pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+
 
 class FailIn(nn.Module):
     def __init__(self, exc, when_rows):

@@ -23,6 +23,8 @@ from torch import nn
 
 from fastdp import FastDataParallel
 
+pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+
 CPU4 = ["cpu"] * 4
 
 
@@ -177,17 +179,25 @@ def test_keyboard_interrupt_mid_step(how):
         elapsed = time.monotonic() - start
         state["armed"] = False
         timer.join()
-    assert elapsed < 1.0, f"control came back after {elapsed:.2f} s"
+    threaded = fdp.last_launch == "threads"
+    # Inline, replicas run on the main thread: a real SIGINT interrupts the sleep at once, but
+    # interrupt_main only sets a flag, acted on when the running replica's sleep returns (as for
+    # the bare module); still one replica's call, not the step's four.
+    limit = 1.0 if threaded or how == "sigint" else 1.5 + 1.0
+    assert elapsed < limit, f"control came back after {elapsed:.2f} s"
 
-    # The next step: it waits for the interrupted replicas (they cannot be stopped) and is right.
+    # Threads: the next step waits for the interrupted replicas (they cannot be stopped). Inline:
+    # the interrupt stopped replica 0 mid-forward and the others never started.
     model.sleep_s = 0.0
     x2 = batch(4).requires_grad_()
     out = fdp(x2)
-    assert [slow for _, slow in model.finished] == [1.5] * 4 + [0.0] * 4  # never overlapping
+    interrupted = [1.5] * 4 if threaded else []
+    assert [slow for _, slow in model.finished] == interrupted + [0.0] * 4  # never overlapping
     out.square().sum().backward()
     ref = Faulty()
     ref.load_state_dict(before)
-    ref(x1.chunk(4)[0])  # the interrupted step's replica 0 still updated the running stats
+    if threaded:
+        ref(x1.chunk(4)[0])  # the interrupted step's replica 0 still updated the running stats
     x2r = x2.detach().clone().requires_grad_()
     chunks = x2r.chunk(4)
     outs = [ref(chunks[0])]  # only replica 0's running-stat update reaches the module

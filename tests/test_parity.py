@@ -15,6 +15,8 @@ from torch.testing import assert_close
 from fastdp import FastDataParallel
 from fastdp.testing import clone_inputs, device_of, grads_of, replica_ids, withCUDA
 
+pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+
 
 def _reference(model, x, n, chunked):
     model.zero_grad(set_to_none=True)

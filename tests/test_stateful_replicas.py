@@ -32,6 +32,8 @@ from torch import nn
 from fastdp import FastDataParallel
 from fastdp._persistent import ReplicaSet
 
+pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+
 N = 3
 # Batch sizes whose torch.chunk pieces on N replicas all have >= 2 rows (BatchNorm in training).
 BATCHES = [b for b in range(2 * N, 25) if min(c.numel() for c in torch.empty(b).chunk(N)) >= 2]

@@ -9,6 +9,8 @@ from torch import nn
 from fastdp import FastDataParallel
 from fastdp.testing import device_of, replica_ids, withCUDA
 
+pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+
 
 class StateProbe(nn.Module):
     def __init__(self, kind):
@@ -30,20 +32,27 @@ class StateProbe(nn.Module):
         return self.lin(x)
 
 
-def _run(kind, ctx):
+def _run(kind, ctx, fdp_box=None):
     m = StateProbe(kind).to(device_of(kind))
     fdp = FastDataParallel(m, device_ids=replica_ids(kind, 3))
     with ctx:
         out = fdp(torch.randn(6, 4, device=device_of(kind)))
     assert len(m.states) == 3
+    if fdp_box is not None:
+        fdp_box.append(fdp.last_launch)
     return m.states, out
 
 
 @withCUDA
 def test_no_grad_reaches_replicas(backend, kind):
-    states, out = _run(kind, torch.no_grad())
+    ran = []
+    states, out = _run(kind, torch.no_grad(), ran)
     assert not any(s["grad"] for s in states) and not out.requires_grad
-    assert len({s["thread"] for s in states}) > 1  # replicas really ran on worker threads
+    threads = {s["thread"] for s in states}
+    if ran == ["threads"]:
+        assert len(threads) > 1  # replicas really ran on worker threads
+    else:
+        assert threads == {threading.get_ident()}  # inline: in turn on the caller's thread
 
 
 @withCUDA

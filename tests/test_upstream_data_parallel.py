@@ -91,6 +91,8 @@ from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter
 
+pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+
 HAS_CUDA = torch.cuda.is_available()
 HAS_2GPUS = HAS_CUDA and torch.cuda.device_count() >= 2
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

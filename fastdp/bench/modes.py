@@ -1,13 +1,20 @@
 """The modes compared side by side, the training step they run, and the correctness check.
 
 Modes (``MODES``):
-  ``bare``          the module itself on the whole batch: the limit no wrapper can beat.
+  ``bare``          the module itself on the whole batch.
+  ``floor``         the chunked floor, the yardstick of every step table (``x floor``): the bare
+                    module on the same chunks as the replicas get, in turn, one concatenation (no
+                    wrapper; the same loss and backward). Replicas do the same work on those chunks.
   ``torch_dp``      ``torch.nn.DataParallel`` (where it can run; without CUDA it is a pass-through).
-  ``fastdp``        ``fastdp.FastDataParallel``.
+  ``fastdp``        ``fastdp.FastDataParallel`` with ``launch="auto"`` (the default), timed once
+                    its trial steps are over (steady state); its pick is in the record
+                    (``launch_pick``, from ``launch_report()``).
+  ``fastdp_threads``, ``fastdp_inline``  the same with the strategy forced.
   ``fastdp_noext``  the same with the C++ extension disabled (``fastdp._backend.use_extension``).
   ``dp_algo``       DataParallel's algorithm in fastdp's pipeline: a ``FastDataParallel`` whose
                     ``replicate`` seam builds fresh replicas every step with
-                    ``fastdp.replicate.replicate`` (torch's replicate ported to every device type).
+                    ``fastdp.replicate.replicate`` (torch's replicate ported to every device type),
+                    its replicas on threads as DataParallel's.
 A step is forward, loss (mean of squares of every output) and backward; gradients accumulate (no
 ``zero_grad``, no optimizer step), so a step times the wrapper plus the model and nothing else.
 """
@@ -23,8 +30,11 @@ from torch import nn
 
 from fastdp.bench.workloads import loss_of, map_tensors, tensors_of
 
-MODES = ("bare", "torch_dp", "fastdp", "fastdp_noext", "dp_algo")
-WRAPPERS = ("torch_dp", "fastdp", "fastdp_noext", "dp_algo")
+MODES = ("bare", "floor", "torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext",
+         "dp_algo")
+WRAPPERS = ("torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext", "dp_algo")
+LAUNCH_MODES = {"fastdp": "auto", "fastdp_threads": "threads", "fastdp_inline": "inline",
+                "fastdp_noext": "auto", "dp_algo": "threads"}  # dp_algo: DataParallel's threads
 
 
 _MODULE_METHODS = ("__setattr__", "__delattr__", "__getattr__", "add_module", "register_module",
@@ -91,11 +101,16 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
     everything that uses it (forward *and* backward) under ``mode_context(mode)``.
     """
     kw = {} if devices is None else {"device_ids": list(devices)}
+    if mode in LAUNCH_MODES:  # explicit, so that FASTDP_LAUNCH in the environment cannot sway it
+        kw["launch"] = LAUNCH_MODES[mode]
     if mode == "bare":
         obj = model
+    elif mode == "floor":
+        n = 1 if devices is None else len(devices)
+        obj = functools.partial(chunked_call, model, n)
     elif mode == "torch_dp":
         obj = torch_dp_class()(model, **kw)
-    elif mode in ("fastdp", "fastdp_noext"):
+    elif mode in ("fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext"):
         import fastdp
 
         obj = fastdp.FastDataParallel(model, **kw)
@@ -177,6 +192,25 @@ def chunked_reference(model: nn.Module, args: tuple, n: int, device: torch.devic
     statistics included (for models without batch statistics it equals the whole batch)."""
     args = map_tensors(args, lambda t: t.to(device))
     return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
+
+
+def chunked_call(model: nn.Module, n: int, *args):  # noqa: ANN201
+    """The ``floor`` mode: ``model`` on DataParallel's ``n`` chunks of ``args`` in turn."""
+    return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
+
+
+def settle(call: Callable, step: Callable[[], None]) -> None:
+    """Runs ``step`` until an ``auto`` wrapper has picked a strategy for this configuration (its
+    trial steps, untimed: the step a long run makes), at most 4 + 2 x its trial length."""
+    report = getattr(call, "launch_report", None)
+    if report is None or getattr(call, "launch", None) != "auto":
+        return
+    from fastdp._launch import AutoLaunch
+
+    for _ in range(4 + 2 * (AutoLaunch.WARMUP + AutoLaunch.TRIALS)):
+        if report() and all(r["choice"] for r in report()):
+            return
+        step()
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

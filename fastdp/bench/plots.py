@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from fastdp.bench.report import STEP_SUITES, med
+from fastdp.bench.report import STEP_SUITES, launch_rows, med
 
 COLORS = {"fastdp": "#1f77b4", "fastdp_noext": "#9ecae1", "dp_algo": "#ff7f0e",
           "torch_dp": "#d62728", "torch": "#d62728", "bare": "black"}
@@ -279,8 +279,43 @@ def bandwidth(records: list[dict], suite: str, path: str) -> str | None:
     return path
 
 
+STRATEGIES = (("threads", "#ff7f0e"), ("inline", "#2ca02c"), ("auto", "#1f77b4"))
+
+
+def launch_x_floor(records: list[dict], path: str) -> str | None:
+    """x floor per workload (and replica count) for each launch strategy; 1 = the chunked floor."""
+    rows = [r for r in launch_rows(records) if r.get("floor_ms")]
+    if not rows:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(rows) + 2), 4.2))
+    width = 0.8 / len(STRATEGIES)
+    for j, (name, color) in enumerate(STRATEGIES):
+        xs = [i - 0.4 + width * (j + 0.5) for i, r in enumerate(rows)
+              if r.get(f"{name}_x_floor") is not None]
+        ys = [r[f"{name}_x_floor"] for r in rows if r.get(f"{name}_x_floor") is not None]
+        ax.bar(xs, ys, width, color=color, label=name)
+    for i, r in enumerate(rows):
+        if r.get("auto_pick") and r.get("auto_x_floor") is not None:
+            ax.annotate(f"{r['auto_pick']}", (i + 0.4 - width / 2, r["auto_x_floor"]),
+                        fontsize=6, ha="center", va="bottom", rotation=90)
+    ax.axhline(1.0, color="black", linewidth=1.5, label="chunked floor")
+    ax.set_xticks(range(len(rows)), [f"{r['workload']}\nx{r['replicas']}\n"
+                                     f"{r['suite'].replace('-steps', '')}" for r in rows],
+                  fontsize=7)
+    ax.set_ylabel("step time / chunked floor")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Launch strategies: training step time in units of the chunked floor\n(lower is "
+                 "better; auto's pick written above its bar)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_all(records: list[dict], out: str) -> list[str]:
-    paths = []
+    paths = [p for p in [launch_x_floor(records, os.path.join(out, "launch_x_floor.png"))] if p]
     suites = list(dict.fromkeys(r.get("suite") for r in records if r.get("suite")))
     for s in suites:
         p = None

@@ -1,8 +1,9 @@
 """Ratios within the run, the headline figures, the stdout table, and the JSON file.
 
 Every ratio is computed from medians measured in the same run; nothing is hard-coded. A ratio
-below 1 means faster (``x bare`` = time / bare module's time on the whole batch, ``x dp_algo`` =
-time / DataParallel's algorithm's time on the same devices).
+below 1 means faster (``x floor`` = time / the chunked floor's time: the bare module on the same
+chunks in turn, the yardstick of every step table; ``x bare`` = time / bare module's time on the
+whole batch, ``x dp_algo`` = time / DataParallel's algorithm's time on the same devices).
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ def add_ratios(records: list[dict]) -> None:
         by_cfg[key][r.get("mode")] = r
     for group in by_cfg.values():
         b = group.get("bare")
+        floor = group.get("floor") or group.get("model_chunks")
         for mode, r in group.items():
             if med(r) is None:
                 continue
-            rat = {"vs_bare": _ratio(med(r), med(b)) if b and mode != "bare" else None,
+            rat = {"vs_floor": _ratio(med(r), med(floor))
+                   if floor and mode not in ("floor", "model_chunks") else None,
+                   "vs_bare": _ratio(med(r), med(b)) if b and mode != "bare" else None,
                    "vs_dp_algo": _ratio(med(r), med(group.get("dp_algo", {})))
                    if mode not in ("dp_algo", "bare") else None,
                    "vs_torch_dp": _ratio(med(r), med(group.get("torch_dp", {})))
@@ -89,11 +93,42 @@ def headline(records: list[dict]) -> dict:
              and med(r) is not None]
     if steps:
         out["steps_fastdp"] = steps
+    launch = launch_rows(records)
+    if launch:
+        out["launch"] = launch
     bad = [f"{r.get('suite')}/{r.get('workload', r.get('op'))}/{r.get('mode')}"
            f"/{r.get('replicas')}: {r.get('status')}" for r in records
            if r.get("status") not in ("ok", "unsupported")]
     out["not_ok"] = bad
     return out
+
+
+LAUNCH_MODES = {"fastdp_threads": "threads", "fastdp_inline": "inline", "fastdp": "auto"}
+
+
+def launch_rows(records: list[dict]) -> list[dict]:
+    """Per step configuration: the floor and each launch strategy (ms, x floor), auto's pick, and
+    auto / threads (the acceptance ratios of issue 12), all from this run's medians."""
+    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        if r.get("suite") in STEP_SUITES[1:] or r.get("suite", "").startswith("overhead"):
+            key = (r["suite"], r.get("workload"), r.get("input"), r.get("replicas"))
+            groups[key][r.get("mode")] = r
+    rows = []
+    for (suite, workload, inp, n), g in groups.items():
+        floor = g.get("floor") or g.get("model_chunks")
+        if not floor or med(floor) is None or not any(m in g for m in LAUNCH_MODES):
+            continue
+        row = {"suite": suite, "workload": workload, "input": inp, "replicas": n,
+               "floor_ms": med(floor)}
+        for m, name in LAUNCH_MODES.items():
+            row[f"{name}_ms"] = med(g.get(m, {}))
+            row[f"{name}_x_floor"] = _ratio(med(g.get(m, {})), med(floor))
+        picks = [p["choice"] for p in g.get("fastdp", {}).get("launch_pick") or []]
+        row["auto_pick"] = picks[0] if len(set(picks)) == 1 else (picks or None)
+        row["auto_x_threads"] = _ratio(row["auto_ms"], row["threads_ms"])
+        rows.append(row)
+    return rows
 
 
 def _fmt(v: object, nd: int = 3) -> str:
@@ -142,17 +177,20 @@ _SECTIONS = {
                                _t(r, "median_ms"), _t(r, "min_ms"), _t(r, "max_ms"),
                                r.get("overhead_us"), _rat(r, "vs_bare")]),
     "steps": ("Training step (forward + backward), ms",
-              ["workload", "input", "devices", "mode", "status", "median", "min", "max",
-               "x bare", "x dp_algo", "x torch_dp"],
-              lambda r: [r.get("workload"), r.get("input"), _devs(r), r["mode"], _status(r),
-                         _t(r, "median_ms"), _t(r, "min_ms"), _t(r, "max_ms"),
-                         _rat(r, "vs_bare"), _rat(r, "vs_dp_algo"), _rat(r, "vs_torch_dp")]),
+              ["workload", "input", "devices", "mode", "launch", "status", "median", "min", "max",
+               "x floor", "x bare", "x dp_algo", "x torch_dp"],
+              lambda r: [r.get("workload"), r.get("input"), _devs(r), r["mode"], _launch(r),
+                         _status(r), _t(r, "median_ms"), _t(r, "min_ms"), _t(r, "max_ms"),
+                         _rat(r, "vs_floor"), _rat(r, "vs_bare"), _rat(r, "vs_dp_algo"),
+                         _rat(r, "vs_torch_dp")]),
     "overhead": ("Host overhead and Python calls per step (4 replicas, 2 samples each); "
                  "overhead = step - model_chunks",
-                 ["workload", "params", "mode", "status", "step ms", "overhead ms",
-                  "calls/step", "in model", "wrapper calls", "in fastdp", "x dp_algo (ovh)"],
-                 lambda r: [r.get("workload"), r.get("params"), r["mode"], _status(r),
-                            _t(r, "median_ms"), r.get("overhead_ms"), r.get("calls_per_step"),
+                 ["workload", "params", "mode", "launch", "status", "step ms", "x floor",
+                  "overhead ms", "calls/step", "in model", "wrapper calls", "in fastdp",
+                  "x dp_algo (ovh)"],
+                 lambda r: [r.get("workload"), r.get("params"), r["mode"], _launch(r),
+                            _status(r), _t(r, "median_ms"), _rat(r, "vs_floor"),
+                            r.get("overhead_ms"), r.get("calls_per_step"),
                             (r.get("calls") or {}).get("model"),
                             r.get("wrapper_calls_per_step"),
                             (r.get("calls_in") or {}).get("fastdp"),
@@ -196,6 +234,17 @@ def _section(suite: str) -> str:
         if k in suite:
             return name
     return suite
+
+
+def _launch(r: dict) -> str:
+    """The strategy a fastdp record ran: forced, or ``auto>pick`` (``auto>?`` if undecided)."""
+    launch = r.get("launch")
+    if launch is None:
+        return "-"
+    if launch != "auto":
+        return launch
+    picks = sorted({p["choice"] or "?" for p in r.get("launch_pick") or []})
+    return f"auto>{'/'.join(picks) or '?'}"
 
 
 def _devs(r: dict) -> str:
@@ -285,12 +334,23 @@ def headline_markdown(doc: dict) -> str:
                   for r in head["overhead"]]
         lines.append("")
     if head.get("steps_fastdp"):
-        lines += ["| suite | workload | input | replicas | fastdp step (ms) | x bare | x dp_algo "
-                  "| x nn.DataParallel |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        lines += ["| suite | workload | input | replicas | fastdp step (ms) | x floor | x bare "
+                  "| x dp_algo | x nn.DataParallel |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['suite']} | {r['workload']} | {r['input']} | {r['replicas']} | "
-                  f"{_fmt(r['step_ms'])} | {_fmt(r.get('vs_bare'))} | "
+                  f"{_fmt(r['step_ms'])} | {_fmt(r.get('vs_floor'))} | {_fmt(r.get('vs_bare'))} | "
                   f"{_fmt(r.get('vs_dp_algo'))} | {_fmt(r.get('vs_torch_dp'))} |"
                   for r in head["steps_fastdp"]]
+        lines.append("")
+    if head.get("launch"):
+        lines += ["| suite | workload | replicas | floor (ms) | threads (x floor) "
+                  "| inline (x floor) | auto (x floor) | auto picked | auto / threads |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+        lines += [f"| {r['suite']} | {r['workload']} | {r['replicas']} | {_fmt(r['floor_ms'])} | "
+                  f"{_fmt(r['threads_ms'])} ({_fmt(r['threads_x_floor'])}) | "
+                  f"{_fmt(r['inline_ms'])} ({_fmt(r['inline_x_floor'])}) | "
+                  f"{_fmt(r['auto_ms'])} ({_fmt(r['auto_x_floor'])}) | {r['auto_pick']} | "
+                  f"{_fmt(r['auto_x_threads'])} |" for r in head["launch"]]
         lines.append("")
     if head.get("not_ok"):
         lines += ["Not ok in this run: " + "; ".join(head["not_ok"]), ""]

@@ -114,9 +114,10 @@ def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str]
                extra: dict | None = None, bare_model: nn.Module | None = None) -> list[dict]:
     """Checks each wrapper, then times every mode of ``mode_list`` interleaved; one record each.
 
-    ``bare`` runs ``bare_model`` (default ``model``) on the whole batch and is not checked; the
-    wrappers run on ``devices``. A mode that fails its set-up or first step is recorded and left
-    out of the timing; the others are still timed.
+    ``bare`` runs ``bare_model`` (default ``model``) on the whole batch, ``floor`` on the
+    replicas' chunks in turn (neither is checked); the wrappers run on ``devices``. A mode that
+    fails its set-up or first step is recorded and left out of the timing; the others are still
+    timed. ``auto`` wrappers are timed once their trial steps are over (``modes.settle``).
     """
     base = {"suite": suite, "workload": w.name, "input": input_kind or w.input_kind,
             "replicas": n, "step": step, "batch": w.batch, "layers": w.layers, **(extra or {})}
@@ -126,13 +127,15 @@ def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str]
             for m in mode_list}
     make = modes.train_step if step == "train" else modes.forward_step
     steps: dict[str, Callable[[], None]] = {}
+    calls: dict[str, Callable] = {}
     with contextlib.ExitStack() as stack:
         for m in mode_list:
             def setup(r: dict, m: str = m) -> None:
-                target = (bare_model or model) if m == "bare" else model
+                target = (bare_model or model) if m in ("bare", "floor") else model
                 call = stack.enter_context(modes.wrapped(m, target, None if m == "bare"
                                                          else devices))
-                if m != "bare" and s.check:
+                calls[m] = call
+                if m not in ("bare", "floor") and s.check:
                     rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
                     with modes.mode_context(m):
                         r["check"] = modes.check(model, call, args, n, ref_device, rtol)
@@ -141,13 +144,27 @@ def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str]
                 fn = modes.in_mode(m, make(call, args))
                 if "check" not in r:
                     fn()  # a mode that cannot run fails here, inside its own record
+                modes.settle(call, fn)
                 steps[m] = fn
 
             guarded(recs[m], setup)
         model.zero_grad(set_to_none=True)
         time_into(s, steps, recs, sync)
         model.zero_grad(set_to_none=True)
+        record_launch(recs, calls)
     return list(recs.values())
+
+
+def record_launch(recs: dict, calls: dict) -> None:
+    """Each fastdp record gets its wrapper's strategy: forced, or what ``auto`` picked (with the
+    trial's medians) in ``launch_pick``."""
+    for m, call in calls.items():
+        launch = getattr(call, "launch", None)
+        if launch is None or m not in recs:
+            continue
+        recs[m]["launch"] = launch
+        if launch == "auto":
+            recs[m]["launch_pick"] = call.launch_report()
 
 
 def run_tasks(tasks: list[Task], progress: bool = True) -> list[dict]:

@@ -2,8 +2,10 @@
 
 ``passthrough``   ``FastDataParallel(m)`` without any GPU (``device_ids == []``: it just calls the
                   module) against the bare module and ``nn.DataParallel(m)`` (also a pass-through).
-``cpu-replicas``  training steps on ``device_ids=['cpu'] * n``, n = 1, 2, 4: fastdp, fastdp without
-                  its extension and DataParallel's algorithm, against the bare module on the batch.
+``cpu-replicas``  training steps on ``device_ids=['cpu'] * n``, n = 1, 2, 4: fastdp (``auto``, and
+                  each launch strategy forced), fastdp without its extension and DataParallel's
+                  algorithm, against the chunked floor and the bare module on the batch. The
+                  compute-bound ``wide8`` runs on 2 replicas only (see ``WIDE_REPLICAS``).
 ``overhead``      issue 4 point 7: per step (forward + backward, two samples per replica on 4
                   replicas) the host time and the Python calls of the wrapper, i.e. the step minus
                   the model's own work (the bare module run on the same 4 chunks in turn).
@@ -20,21 +22,26 @@ import torch
 
 import fastdp.bench.workloads as wl
 from fastdp.bench import modes, timing
-from fastdp.bench.runner import Settings, Task, guarded, time_into, time_modes
+from fastdp.bench.runner import Settings, Task, guarded, record_launch, time_into, time_modes
 
 # What each profile runs (the workloads' sizes come from workloads.catalogue(profile)).
 _OVERHEAD = ["mlp10", "mlp100", "mlp1000", "resnet50", "transformer12"]
 PLAN = {
-    "tiny": {"passthrough": ["mlp10"], "cpu-replicas": ["mlp10", "mlp10-dict16"],
+    "tiny": {"passthrough": ["mlp10"], "cpu-replicas": ["mlp10", "mlp10-dict16", "wide8"],
              "overhead": ["mlp10", "mlp100"], "replicate": [10, 100]},
     "quick": {"passthrough": ["mlp10"],
-              "cpu-replicas": ["mlp100", "resnet50", "transformer12", "lstm", "mlp10-dict16"],
+              "cpu-replicas": ["mlp100", "resnet50", "transformer12", "lstm", "mlp10-dict16",
+                               "wide8"],
               "overhead": ["mlp10", "mlp100", "resnet50", "transformer12"],
               "replicate": [10, 100, 1000]},
     "cpu": {"passthrough": ["mlp10", "mlp100"],
-            "cpu-replicas": ["mlp1000", "resnet50", "transformer12", "lstm", "mlp10-dict16"],
+            "cpu-replicas": ["mlp100", "mlp1000", "resnet50", "transformer12", "lstm",
+                             "mlp10-dict16", "wide8"],
             "overhead": _OVERHEAD, "replicate": [10, 30, 100, 300, 1000]},
 }
+
+
+WIDE_REPLICAS = (2,)  # the compute-bound workload of issue 12: 2 CPU replicas
 
 
 def plan(profile: str, suite: str) -> list:
@@ -78,14 +85,16 @@ def cpu_replicas(s: Settings) -> list[Task]:
         model, args = cache[w.name]
         recs = time_modes(s, suite="cpu-replicas", w=w, model=model, args=args,
                           devices=["cpu"] * n, n=n, ref_device="cpu",
-                          mode_list=("bare", "fastdp", "fastdp_noext", "dp_algo"))
+                          mode_list=("bare", "floor", "fastdp", "fastdp_threads",
+                                     "fastdp_inline", "fastdp_noext", "dp_algo"))
         recs.append({"suite": "cpu-replicas", "workload": w.name, "input": w.input_kind,
                      "mode": "torch_dp", "replicas": n, "devices": ["cpu"] * n,
                      "step": "train", "status": "unsupported", "error": _TORCH_DP_CPU})
         return recs
 
     return [Task("cpu-replicas", f"{name} x{n}", lambda w=cat[name], n=n: run(w, n))
-            for name in plan(s.profile, "cpu-replicas") for n in s.replicas]
+            for name in plan(s.profile, "cpu-replicas")
+            for n in (WIDE_REPLICAS if name == "wide8" else s.replicas)]
 
 
 def _areas() -> dict[str, str]:
@@ -122,7 +131,8 @@ def overhead_tasks(s: Settings, device: str = "cpu", n: int = 4,
     cuda = device == "cuda"
     dev = "cuda:0" if cuda else "cpu"
     ids = 0 if cuda else "cpu"
-    runs = [("fastdp", n), ("dp_algo", n)] + ([("torch_dp", n), ("torch_dp", 1)] if cuda else [])
+    runs = [("fastdp", n), ("fastdp_threads", n), ("fastdp_inline", n), ("dp_algo", n)] + (
+        [("torch_dp", n), ("torch_dp", 1)] if cuda else [])
     suite = "overhead-cuda" if cuda else "overhead"
     sync = timing.cuda_sync([dev]) if cuda else None
 
@@ -197,6 +207,7 @@ def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices:
             if not r["check"]["ok"]:
                 r["status"] = "check_failed"
         step = modes.in_mode(mode, modes.train_step(call, args))
+        modes.settle(call, step)  # auto: counted once its trials are over
         for _ in range(COUNT_WARMUP):
             step()
         _record_counts(r, cc, step)
@@ -207,12 +218,15 @@ def _time_together(s: Settings, recs: dict, refs: dict, model, args, ids, sync) 
     """Times every run that counted without error, interleaved, with fresh wrappers."""
     fns = {("model_chunks", k): fn for k, fn in refs.items()
            if recs[("model_chunks", k)].get("status") == "ok"}
+    calls = {}
     with contextlib.ExitStack() as stack:
         for (m, k), r in recs.items():
             if m != "model_chunks" and r.get("status") in ("ok", "check_failed"):
-                call = stack.enter_context(modes.wrapped(m, model, [ids] * k))
+                call = calls[(m, k)] = stack.enter_context(modes.wrapped(m, model, [ids] * k))
                 fns[(m, k)] = modes.in_mode(m, modes.train_step(call, args))
+                modes.settle(call, fns[(m, k)])
         time_into(s, fns, recs, sync)
+        record_launch(recs, calls)
     model.zero_grad(set_to_none=True)
 
 

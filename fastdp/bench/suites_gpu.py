@@ -240,7 +240,7 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
                           n=len(devices), ref_device=dev(0),
                           input_kind=w.input_kind if where == "cuda"
                           else f"{w.input_kind}:{where}",
-                          mode_list=("bare",) + modes.WRAPPERS,
+                          mode_list=("bare", "floor") + modes.WRAPPERS,
                           bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),
                           sync=_sync(devices), extra={"distinct_gpus": len(set(devices))})
 

@@ -1,0 +1,138 @@
+"""How a step's replicas are launched: ``threads``, ``inline``, or ``auto`` (measured).
+
+NOTE [ Launch strategies ]
+``threads``: one persistent worker thread per replica (``fastdp._workers``), as DataParallel's
+one thread per replica. Replicas overlap wherever they release the GIL (CPU kernels of real size,
+blocking CUDA calls), but every hand-off between Python threads costs GIL switches, and a forward
+that is mostly Python and op dispatch (small layers; on GPUs, where kernels are asynchronous, any
+forward) runs *slower* than in turn, its threads fighting over the GIL.
+``inline``: each replica in turn on the caller's thread, under its device, the caller's current
+stream of that device and the captured grad/autocast state (exactly what a worker enters). On a
+GPU, replicas on distinct devices still run concurrently (the launches are asynchronous); on
+replicas sharing a device, or on CPU replicas of a dispatch-bound model, it is the chunked floor.
+``auto`` (the default): per (device tuple, input signature, grad mode) the first steps are run
+alternately with each strategy (one warm-up each, then ``TRIALS`` timed each, interleaved), the one
+with the lower median wall time of ``parallel_apply`` is kept, and the trial is repeated every
+``RECHECK`` steps of that key. Only the forward differs between strategies: backward is run by the
+autograd engine either way. Errors (``Caught X in replica i on device d.``), Ctrl-C and the
+no-leak guarantees are the same under every strategy. Whatever is asked for, replicas that must
+meet each other during forward run on threads: NOTE [ Replicas that must run at once ] in
+``fastdp/parallel_apply.py``. ``launch=`` on ``FastDataParallel`` or ``FASTDP_LAUNCH`` forces one.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+__all__ = ["LAUNCHES", "resolve_launch", "AutoLaunch", "input_key"]
+
+LAUNCHES = ("auto", "threads", "inline")
+_TRIED = ("threads", "inline")
+
+
+def resolve_launch(launch: str | None) -> str:
+    """``launch``, else ``FASTDP_LAUNCH``, else ``"auto"``; raises ValueError on anything else."""
+    where = ""
+    if launch is None:
+        launch, where = os.environ.get("FASTDP_LAUNCH") or "auto", " (from FASTDP_LAUNCH)"
+    if launch not in LAUNCHES:
+        raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}{where}")
+    return launch
+
+
+def _leaves(x: Any, out: list) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append((tuple(x.shape), x.dtype))
+    elif isinstance(x, (list, tuple)):
+        out.append(len(x))
+        for y in x:
+            _leaves(y, out)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            out.append(k)
+            _leaves(v, out)
+    else:
+        out.append(type(x))
+
+
+def input_key(inputs: Any, kwargs: Any) -> tuple:
+    """What makes a step's cost differ: the number of chunks and the first chunk's structure,
+    shapes and dtypes (positional and keyword)."""
+    out: list = [len(inputs)]
+    if len(inputs):
+        _leaves(inputs[0], out)
+        if kwargs:
+            _leaves(kwargs[0], out)
+    return tuple(out)
+
+
+class _Entry:
+    __slots__ = ("plan", "times", "choice", "steps", "trials")
+
+    def __init__(self, warmup: int, trials: int) -> None:
+        self.plan = [None] * (warmup * 2) + list(_TRIED) * trials  # None: untimed warm-up
+        self.times: dict[str, list[float]] = {s: [] for s in _TRIED}
+        self.choice: str | None = None
+        self.steps = 0
+        self.trials = 0
+
+
+class AutoLaunch:
+    """``auto``'s measurements and choices, per key (see NOTE [ Launch strategies ])."""
+
+    WARMUP = 1  # untimed steps per strategy before the first trial
+    TRIALS = 3  # timed steps per strategy in a trial
+    RECHECK = 1000  # steps of a key between trials
+    MAX_KEYS = 64  # least recently used keys beyond this are forgotten
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
+
+    def pick(self, key: tuple) -> tuple[str, bool]:
+        """The strategy for this step of ``key`` and whether to time it (``record``)."""
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = _Entry(self.WARMUP, self.TRIALS)
+            if len(self.entries) > self.MAX_KEYS:
+                self.entries.popitem(last=False)
+        elif len(self.entries) > 1:
+            self.entries.move_to_end(key)
+        e.steps += 1
+        if e.plan:
+            n_warm = sum(1 for s in e.plan if s is None)
+            head = e.plan.pop(0)
+            if head is None:  # warm-up: alternate the strategies, untimed
+                return _TRIED[n_warm % 2], False
+            return head, True
+        if e.steps >= self.RECHECK:
+            e.steps = 0
+            e.times = {s: [] for s in _TRIED}
+            e.plan = list(_TRIED) * self.TRIALS
+        return e.choice or "threads", False
+
+    def record(self, key: tuple, strategy: str, seconds: float) -> None:
+        e = self.entries.get(key)
+        if e is None:
+            return
+        e.times[strategy].append(seconds)
+        if not e.plan:
+            med = {s: statistics.median(t) for s, t in e.times.items() if t}
+            if len(med) == len(_TRIED):
+                e.choice = min(_TRIED, key=lambda s: med[s])  # ties: threads (DataParallel's)
+                e.trials += 1
+
+    def report(self) -> list[dict[str, Any]]:
+        """One record per key: its choice (None while still measuring) and the medians (ms)."""
+        out = []
+        for key, e in self.entries.items():
+            rec: dict[str, Any] = {"devices": [str(d) for d in key[0]], "inputs": repr(key[1]),
+                                   "grad": key[2], "choice": e.choice, "trials": e.trials}
+            for s, t in e.times.items():
+                rec[f"{s}_ms"] = statistics.median(t) * 1e3 if t else None
+            out.append(rec)
+        return out
