@@ -260,12 +260,3 @@ _forward_from_compile.__qualname__ = (
     "call model.compile(fullgraph=True) on the FastDataParallel, or wrap "
     "torch.compile(module, fullgraph=True)]")
 untraced_forward = torch._disable_dynamo(_forward_from_compile)
-
-
-def apply_in_order(replicas: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[Any],
-                   devices: Sequence[torch.device]) -> list[Any]:
-    """The replicas one after the other on the caller's thread, in replica order."""
-    from fastdp.parallel_apply import parallel_apply
-
-    return [parallel_apply([r], [i], [k], [d])[0]
-            for r, i, k, d in zip(replicas, inputs, kwargs, devices)]

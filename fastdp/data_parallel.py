@@ -21,7 +21,7 @@ from torch.nn.parameter import UninitializedParameter
 from fastdp import _watch
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
-from fastdp._compiled import apply_in_order, context_from_options, is_compiled, untraced_forward
+from fastdp._compiled import context_from_options, is_compiled, untraced_forward
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._launch import AutoLaunch, input_key, resolve_launch
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
@@ -199,14 +199,12 @@ class FastDataParallel(DataParallel):
             rs, self._step_rs = self._step_rs, None
             warm = rs.warm.new(inputs, module_kwargs) if rs is not None and rs.warm else None
             in_order = warm is not None or (rs is not None and rs.in_order)
+            if in_order:  # new inputs (WarmKeys) or CUDA graphs: NOTE [ CUDA graphs on replicas ]
+                on["launch"] = "inline"
             with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
-                if not in_order:
-                    outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
-                else:  # new inputs (WarmKeys) or CUDA graphs: NOTE [ CUDA graphs on replicas ]
-                    outputs = apply_in_order(replicas, inputs, module_kwargs,
-                                             on.get("devices", self._devices))
-                    if warm is not None:
-                        rs.warm.add(warm)
+                outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+            if warm is not None:
+                rs.warm.add(warm)
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
@@ -328,10 +326,13 @@ class FastDataParallel(DataParallel):
                               chunk_sizes=chunk_sizes)
 
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
-                       kwargs: Any, devices: Sequence[Any] | None = None) -> list[Any]:
+                       kwargs: Any, devices: Sequence[Any] | None = None, *,
+                       launch: str | None = None) -> list[Any]:
+        """``launch`` overrides the wrapper's strategy for this call (compiled sets run a step on
+        new inputs ``"inline"``: NOTE [ Compiled replicas ])."""
         if devices is None:
             devices = self._devices[: len(replicas)]
-        launch = self.launch
+        launch = launch or self.launch
         if launch != "threads" and must_run_concurrently(replicas):
             launch = "threads"  # see NOTE [ Replicas that must run at once ]
         if not self.persistent or len(replicas) < 2:
