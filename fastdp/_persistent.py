@@ -185,6 +185,7 @@ class ReplicaSet(LeafAccumulation):
         src_index = {t: k for k, t in enumerate(self.sources)}
         buf_index = {t: k for k, t in enumerate(self.buffers)}
         self.slots: list[tuple[int, str, int]] = []
+        self.buffer_slots: list[tuple[int, int, str, int]] = []  # (row, module, key, buffer)
         copies: list[list[Module]] = []
         for _ in self.devices:
             row = []
@@ -213,6 +214,8 @@ class ReplicaSet(LeafAccumulation):
                     else:
                         own = b if j == 0 else self.buffer_copies[j - 1][buf_index[b]]
                         setattr(row[i], key, own)
+                        if j:
+                            self.buffer_slots.append((j, i, key, buf_index[b]))
         for row in copies:  # before the snapshots below: see NOTE [ Compiled replicas ]
             for m, r in zip(self.modules, row):
                 finish_replica(m, r)
@@ -307,6 +310,20 @@ class ReplicaSet(LeafAccumulation):
         if self.state is not None and self.any_grad:
             self.state.link(self.sources)
 
+    def _renew_buffers(self) -> None:
+        """Fresh buffer copies for replicas 1.. (the old ones stay with the pending graph)."""
+        if not self.buffer_slots:
+            return
+        with torch.inference_mode(False):
+            self.buffer_copies = [[torch.empty_like(b, device=d) for b in self.buffers]
+                                  for d in self.devices[1:]]
+        if self.warm is not None or self.in_order:
+            mark_static(self.buffer_copies)
+        if self.buffer_state is not None:
+            self.buffer_state.tensors = [list(self.buffers)] + self.buffer_copies
+        for j, i, key, k in self.buffer_slots:
+            self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
+
     def _copy_buffers(self) -> None:
         if len(self.devices) > 1 and self.buffers:
             if self.buffer_state is not None:
@@ -322,11 +339,11 @@ class ReplicaSet(LeafAccumulation):
             return self._refresh_no_sync()
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
-        if self.state is not None:
-            if self.copy_rows and self.state.graph_alive():
-                self._renew()  # a live graph may still need the copies' old values
-        elif self._graph_alive():
-            self._renew()
+        alive = self.state.graph_alive() if self.state is not None else self._graph_alive()
+        if alive:  # a live graph may still need the copies' old values (BatchNorm saves buffers)
+            if self.state is None or self.copy_rows:
+                self._renew()
+            self._renew_buffers()
         self.token = None
         if _watch.has_dirty():
             _watch.restore_dirty()

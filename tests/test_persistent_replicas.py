@@ -267,6 +267,25 @@ def test_two_forwards_before_one_backward(backend):
         assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_two_forwards_before_one_backward_with_batchnorm(backend):
+    """BatchNorm saves its running statistics for backward: the second forward's buffer refresh
+    must not overwrite the copies the first graph saved (it raised "modified by an inplace
+    operation"). Reference: the plain module on the same chunks (per-replica statistics)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 2)
+    a, b = torch.randn(8, 6), torch.randn(6, 6)
+    fdp(a).sum().backward()
+    model.zero_grad()
+    (fdp(a).sum() + fdp(b).pow(2).sum()).backward()
+    chunked = [torch.cat([ref(c) for c in x.chunk(2)]) for x in (a, a, b)]
+    ref.zero_grad()
+    (chunked[1].sum() + chunked[2].pow(2).sum()).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_gradient_hooks_on_originals_see_the_total_once(backend):
     model = nn.Linear(3, 1)
     seen = []
