@@ -113,6 +113,24 @@ def test_gather_cpu_preserves_channels_last(dim):
     assert out.is_contiguous(memory_format=torch.channels_last)
 
 
+AMBIGUOUS = [  # contiguous fast path vs torch.cat's memory format rules: NOTE [ Contiguous cat
+    # output without the meta device ] in csrc/copy_layout.cpp
+    ((2, 1, 3, 3), False), ((2, 1, 3, 3), True), ((2, 3, 1, 1), False), ((2, 3, 1, 1), True),
+    ((1, 1, 1, 1), False), ((2, 1, 1, 3), True), ((4,), False), ((0, 3), False), ((3, 0), False),
+]
+
+
+@pytest.mark.parametrize("shape,channels_last", AMBIGUOUS)
+@pytest.mark.parametrize("dim", [0, -1])
+def test_gather_cpu_size_one_and_empty_dims_match_cat(shape, channels_last, dim):
+    import torch._dynamo  # noqa: F401  (replaces cat's meta kernel with torch._refs.cat)
+
+    ts = [make(shape, torch.float32, k) for k in range(3)]
+    if channels_last:
+        ts[1] = _cl(ts[1])
+    run_case(ts, dim, "cpu")
+
+
 def test_gather_cpu_mixed_memory_formats_give_contiguous():
     ts = [_cl(make((2, 3, 4, 5), torch.float32, 0)), make((2, 3, 4, 5), torch.float32, 1)]
     assert run_case(ts, 0, "cpu").is_contiguous()
