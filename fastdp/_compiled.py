@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from fastdp._launch import key_leaves
+
 
 def _eval_frame() -> Any:
     return sys.modules.get("torch._dynamo.eval_frame")
@@ -191,34 +193,10 @@ class WarmKeys:
         self._seen.update(keys)
 
 
-_PLAIN = (int, float, bool, str, type(None))
-
-
 def _input_key(args: tuple, kwargs: dict) -> tuple:
     out: list = [torch.is_grad_enabled()]
-    _key_leaves(args, out)
-    _key_leaves(kwargs, out)
+    key_leaves((args, kwargs), out, exact=True)
     return tuple(out)
-
-
-def _key_leaves(x: Any, out: list) -> None:
-    """Per leaf (shape, dtype, device, requires_grad), plain values as themselves, other objects
-    as their type; list/tuple lengths and dict keys mark the structure (stricter than a pytree's
-    leaves, at a third of torch.utils._pytree's cost)."""
-    if isinstance(x, torch.Tensor):
-        out.append((x.shape, x.dtype, x.device, x.requires_grad))
-    elif isinstance(x, _PLAIN):
-        out.append(x)
-    elif isinstance(x, (list, tuple)):
-        out.append(len(x))
-        for y in x:
-            _key_leaves(y, out)
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            out.append(k)
-            _key_leaves(v, out)
-    else:
-        out.append(type(x))
 
 
 def enclosing_context() -> Any:

@@ -45,17 +45,26 @@ def resolve_launch(launch: str | None) -> str:
     return launch
 
 
-def _leaves(x: Any, out: list) -> None:
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def key_leaves(x: Any, out: list, exact: bool = False) -> None:
+    """Append ``x``'s structure to ``out``: list/tuple lengths, dict keys, per tensor (shape,
+    dtype), other objects as their type. ``exact`` adds each tensor's device and requires_grad
+    and keeps plain values (int, float, bool, str, None) as themselves."""
     if isinstance(x, torch.Tensor):
-        out.append((tuple(x.shape), x.dtype))
+        out.append((x.shape, x.dtype, x.device, x.requires_grad) if exact
+                   else (tuple(x.shape), x.dtype))
     elif isinstance(x, (list, tuple)):
         out.append(len(x))
         for y in x:
-            _leaves(y, out)
+            key_leaves(y, out, exact)
     elif isinstance(x, dict):
         for k, v in x.items():
             out.append(k)
-            _leaves(v, out)
+            key_leaves(v, out, exact)
+    elif exact and isinstance(x, _PLAIN):
+        out.append(x)
     else:
         out.append(type(x))
 
@@ -65,9 +74,9 @@ def input_key(inputs: Any, kwargs: Any) -> tuple:
     shapes and dtypes (positional and keyword)."""
     out: list = [len(inputs)]
     if len(inputs):
-        _leaves(inputs[0], out)
+        key_leaves(inputs[0], out)
         if kwargs:
-            _leaves(kwargs[0], out)
+            key_leaves(kwargs[0], out)
     return tuple(out)
 
 
