@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 
@@ -37,3 +38,22 @@ def pytest_report_header(config):
     return (f"fastdp {d['version']}: torch {d['torch']}, extension loaded={d['extension_loaded']}, "
             f"built_with_cuda={d['built_with_cuda']}, gpus={len(d['gpus'])}, "
             f"FASTDP_DISABLE_EXT={os.environ.get('FASTDP_DISABLE_EXT', '0')}")
+
+
+@pytest.fixture
+def sigint():
+    """SIGINT raises KeyboardInterrupt while ``state["armed"]`` (the yielded dict), then never
+    kills the run; the previous handler is restored after the test. Needed because a run started
+    as a background job of a non-interactive shell (``pytest &`` in a script, some CI runners)
+    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    state = {"armed": True}
+
+    def handler(signum, frame):
+        if state["armed"]:
+            raise KeyboardInterrupt
+
+    prev = signal.signal(signal.SIGINT, handler)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, prev)

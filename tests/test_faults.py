@@ -8,7 +8,6 @@ plain module on the whole batch (outputs and gradients).
 from __future__ import annotations
 
 import _thread
-import contextlib
 import copy
 import gc
 import os
@@ -94,22 +93,6 @@ def check_step_matches_plain(fdp: FastDataParallel, n: int) -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-@contextlib.contextmanager
-def armed_sigint():
-    """A SIGINT handler that raises KeyboardInterrupt only while armed (never kills the run)."""
-    state = {"armed": True}
-
-    def handler(signum, frame):
-        if state["armed"]:
-            raise KeyboardInterrupt
-
-    prev = signal.signal(signal.SIGINT, handler)
-    try:
-        yield state
-    finally:
-        signal.signal(signal.SIGINT, prev)
-
-
 @pytest.mark.parametrize("n,bad", [(2, 1), (4, 0), (4, 3)])
 def test_exception_in_one_replica(n, bad):
     model = Faulty()
@@ -154,7 +137,7 @@ def test_failed_step_leaves_no_reference_cycle():
 
 
 @pytest.mark.parametrize("how", ["interrupt_main", "sigint"])
-def test_keyboard_interrupt_mid_step(how):
+def test_keyboard_interrupt_mid_step(how, sigint):
     model = Faulty()
     fdp = FastDataParallel(model, CPU4)
     fdp(batch(4))  # warm-up
@@ -170,15 +153,14 @@ def test_keyboard_interrupt_mid_step(how):
             os.kill(os.getpid(), signal.SIGINT)
 
     x1 = batch(4)
-    with armed_sigint() as state:
-        timer = threading.Timer(0.2, fire)
-        start = time.monotonic()
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            fdp(x1)
-        elapsed = time.monotonic() - start
-        state["armed"] = False
-        timer.join()
+    timer = threading.Timer(0.2, fire)
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        fdp(x1)
+    elapsed = time.monotonic() - start
+    sigint["armed"] = False
+    timer.join()
     threaded = fdp.last_launch == "threads"
     # Inline, replicas run on the main thread: a real SIGINT interrupts the sleep at once, but
     # interrupt_main only sets a flag, acted on when the running replica's sleep returns (as for

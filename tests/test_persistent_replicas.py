@@ -337,7 +337,7 @@ class Slow(nn.Module):
         return self.lin(x)
 
 
-def test_keyboard_interrupt_returns_promptly_and_next_step_works(backend):
+def test_keyboard_interrupt_returns_promptly_and_next_step_works(backend, sigint):
     model = Slow()
     fdp = FastDataParallel(model, device_ids=["cpu"] * 2)
     x = torch.randn(4, 4)
@@ -350,6 +350,8 @@ def test_keyboard_interrupt_returns_promptly_and_next_step_works(backend):
     with pytest.raises(KeyboardInterrupt):
         fdp(x)
     assert time.perf_counter() - start < 1.2  # 0.2 s until the signal, then < 1 s
+    sigint["armed"] = False
+    timer.join()
     model.cfg["delay"] = 0.0
     assert_close(fdp(x), model(x))  # waits for the interrupted tasks, then runs correctly
     assert len(threading.enumerate()) <= threads
