@@ -92,7 +92,7 @@ class LeafAccumulation:
                 self._renew()
             self.token = None
             self.leaves = make_leaves(self.tensors, self.sources)
-            if self.warm is not None or self.in_order:
+            if self.in_order:
                 mark_static(self.leaves)
             self.marks = grad_marks(self.sources)
         elif grad_marks(self.sources) != self.marks:  # zero_grad() since: drop what was pending

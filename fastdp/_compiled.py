@@ -21,9 +21,9 @@ the user's, and one backend instance serves every replica. Dynamo caches compile
 objects, guarded on the module's type and attributes, with parameters as graph inputs: replicas
 of one module pass each other's guards, so a replica set compiles once in all (replicas' plain
 tensors differ from ``nn.Parameter`` originals, so calling the original compiled module elsewhere
-is a second entry). For that, a step whose inputs a compiled set has not seen runs its replicas
-in order (``WarmKeys``); a partial batch then recompiles once for all replicas (dynamo's
-automatic dynamic shapes), as the plain compiled module on the chunks in turn does. A rebuilt
+is a second entry). Replicas run in order (NOTE below), so replica 0 compiles and the others hit
+its entry; a partial batch recompiles once for all replicas (dynamo's automatic dynamic shapes),
+as the plain compiled module on the chunks in turn does. A rebuilt
 replica set (see NOTE [ Replica invalidation ]) is re-wrapped from the *current* originals, and
 dynamo's guards reject code specialised on an attribute that changed, so no stale compiled code
 runs.
@@ -44,8 +44,6 @@ from typing import Any
 
 import torch
 from torch.nn import Module
-
-from fastdp._launch import key_leaves
 
 
 def _eval_frame() -> Any:
@@ -71,13 +69,6 @@ def context_of_function(fn: Any) -> Any:
         return None
     ctx = fn.__closure__[code.co_freevars.index("self")].cell_contents
     return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
-
-
-def context_of(m: Module) -> Any:
-    """The dynamo context that compiled ``m`` (``torch.compile(m)`` or ``m.compile()``), or None."""
-    if is_optimized(m):
-        return m.dynamo_ctx
-    return context_of_function(m.__dict__.get("_compiled_call_impl"))
 
 
 def replicate_module(m: Module) -> Module:
@@ -121,6 +112,21 @@ def compile_root(r: Module, ctx: Any) -> Module:
     return r if ctx is None or is_compiled(r) else ctx(r)
 
 
+# NOTE [ Compiled replicas run in order ]
+# A replica set running compiled code on two or more replicas runs them in order on the caller's
+# thread every step, whatever ``launch`` says (``ReplicaSet.in_order``; the inline strategy):
+# dynamo's cache lookup and guard evaluation are not thread-safe (pytorch #118260, #123177).
+# Compiled replicas on worker threads failed guards at random ("Unexpected recompilation:
+# runtime guards failed even though they passed during recompilation-reason analysis"): two
+# spurious recompiles in a suite run under load. In order, replica 0 compiles and the
+# others hit its entry, exactly as the plain compiled module on the chunks in turn; kernels stay
+# asynchronous, so distinct GPUs still overlap. The cost: CPU replicas of a compute-bound model
+# no longer overlap on threads. Exception: replicas that meet inside a forward (SyncBatchNorm,
+# replication callbacks) must run at once and stay on threads. Backward is autograd's: on CPU
+# in the caller's thread; on distinct GPUs each device's thread runs its replica's compiled
+# backward (AOT autograd compiles a backward lazily on its first call): unverified on GPUs.
+
+
 # NOTE [ CUDA graphs on replicas ]
 # mode="reduce-overhead" (and "max-autotune", backend="cudagraphs") replays CUDA graphs through
 # torch/_inductor/cudagraph_trees.py, whose rules decide how replicas may run:
@@ -131,8 +137,8 @@ def compile_root(r: Module, ctx: Any) -> Module:
 #   ran it. Replicas share one compiled entry (NOTE [ Compiled replicas ]), so replicas on
 #   worker threads would drive one tree from several threads at once (a race), and record
 #   their forwards in a tree other than the one their backward replays in.
-#   So a set whose context uses CUDA graphs runs its replicas *in order on the caller's thread*
-#   every step (``uses_cuda_graphs``; as the inline launch strategy does): one tree per device,
+#   Compiled sets run their replicas *in order on the caller's thread* every step (NOTE
+#   [ Compiled replicas run in order ], the inline launch strategy): one tree per device,
 #   forwards and backwards in it, kernels still asynchronous (distinct GPUs overlap).
 # * Within a step each replica's forward is a node of its own in the tree's path (the earlier
 #   replicas' outputs await their backward, so the next call cannot reuse their memory); the
@@ -146,57 +152,11 @@ def compile_root(r: Module, ctx: Any) -> Module:
 # Unverified on a GPU so far (tests/test_compile.py::test_reduce_overhead_* skip without one).
 
 
-def uses_cuda_graphs(ctx: Any) -> bool:
-    """Whether the dynamo context's backend replays CUDA graphs (see NOTE above)."""
-    ef = _eval_frame()
-    if ctx is None or ef is None:
-        return False
-    backend = ef.innermost_backend(ctx.callback)
-    config = getattr(backend, "config", None) or {}
-    return bool(config.get("triton.cudagraphs")) or getattr(
-        backend, "compiler_name", None) == "cudagraphs"
-
-
 def mark_static(tensors: Any) -> None:
     """Mark persistent replica tensors as static graph inputs (see NOTE above)."""
     for row in tensors:
         for t in row:
             t._dynamo_static_input_type = "unguarded"
-
-
-class WarmKeys:
-    """The input keys a compiled replica set has run on; a step with a new one runs its replicas
-    in order on the caller's thread (see NOTE [ Compiled replicas ]).
-
-    Dynamo looks its cache up before taking its compile lock, so replicas that miss together on
-    their worker threads compile the same code once each, and in no fixed order: a first entry
-    made for a chunk at storage offset 15 then misses the chunk at offset 0 (a second
-    recompile). In order, replica 0 compiles and the others hit its entry, exactly as the plain
-    module on the chunks in turn. Key: grad mode and, per input leaf, shape, dtype, device and
-    requires_grad (plain values as themselves). After ``limit`` keys (shapes that vary every
-    step: dynamic entries serve them) every step runs in parallel.
-    """
-
-    limit = 16
-
-    def __init__(self) -> None:
-        self._seen: set = set()
-
-    def new(self, inputs: Any, kwargs: Any) -> list | None:
-        """The step's unseen keys (to ``add`` after it ran), or None when all were seen."""
-        if len(self._seen) >= self.limit:
-            return None
-        keys = [_input_key(i, k) for i, k in zip(inputs, kwargs)]
-        return [k for k in keys if k not in self._seen] or None
-
-    def add(self, keys: list) -> None:
-        self._seen.update(keys)
-
-
-def _input_key(args: tuple, kwargs: dict) -> tuple:
-    out: list = [torch.is_grad_enabled()]
-    key_leaves((args, kwargs), out, exact=True)
-    return tuple(out)
 
 
 def enclosing_context() -> Any:

@@ -45,26 +45,19 @@ def resolve_launch(launch: str | None) -> str:
     return launch
 
 
-_PLAIN = (int, float, bool, str, type(None))
-
-
-def key_leaves(x: Any, out: list, exact: bool = False) -> None:
+def key_leaves(x: Any, out: list) -> None:
     """Append ``x``'s structure to ``out``: list/tuple lengths, dict keys, per tensor (shape,
-    dtype), other objects as their type. ``exact`` adds each tensor's device and requires_grad
-    and keeps plain values (int, float, bool, str, None) as themselves."""
+    dtype), other objects as their type."""
     if isinstance(x, torch.Tensor):
-        out.append((x.shape, x.dtype, x.device, x.requires_grad) if exact
-                   else (tuple(x.shape), x.dtype))
+        out.append((tuple(x.shape), x.dtype))
     elif isinstance(x, (list, tuple)):
         out.append(len(x))
         for y in x:
-            key_leaves(y, out, exact)
+            key_leaves(y, out)
     elif isinstance(x, dict):
         for k, v in x.items():
             out.append(k)
-            key_leaves(v, out, exact)
-    elif exact and isinstance(x, _PLAIN):
-        out.append(x)
+            key_leaves(v, out)
     else:
         out.append(type(x))
 

@@ -40,8 +40,8 @@ from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, comm
 from fastdp._accumulate import LeafAccumulation
-from fastdp._compiled import (WarmKeys, compile_root, context_of, finish_replica, is_compiled,
-                              mark_static, replicate_module, uses_cuda_graphs)
+from fastdp._compiled import (compile_root, finish_replica, is_compiled, mark_static,
+                              replicate_module)
 from fastdp._functions import ReduceAddCoalesced
 
 
@@ -141,8 +141,7 @@ class ReplicaSet(LeafAccumulation):
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
         self.token: _Token | None = None
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
-        self.warm: WarmKeys | None = None
-        self.in_order = False
+        self.in_order = False  # NOTE [ Compiled replicas run in order ]
         self.leaf_mode = False
         self.marks: tuple = ()
         ext = _backend.ext()
@@ -220,13 +219,8 @@ class ReplicaSet(LeafAccumulation):
             for m, r in zip(self.modules, row):
                 finish_replica(m, r)
         roots = [compile_root(row[0], self.compile_ctx) for row in copies]
-        self.warm = self._warm_keys()
-        contexts = [self.compile_ctx] + [context_of(m) for m in self.modules]
-        # NOTE [ CUDA graphs on replicas ]: one thread, in order, inputs at fixed addresses
-        self.in_order = (len(self.devices) > 1 and not self.meet
-                         and any(d.type == "cuda" for d in self.devices)
-                         and any(map(uses_cuda_graphs, contexts)))
-        if self.warm is not None or self.in_order:
+        self.in_order = self._runs_compiled_in_order()
+        if self.in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
             mark_static(self.tensors)
             mark_static(self.buffer_copies)
         self.copies = copies
@@ -239,17 +233,16 @@ class ReplicaSet(LeafAccumulation):
                 _watch.track_replica(r, frozenset(slot_keys.get(i, ())))
         return roots
 
-    def _warm_keys(self) -> WarmKeys | None:
-        """Input keys seen, for sets running compiled code on several replicas, unless replicas
-        meet inside a forward (SyncBatchNorm, replication callbacks): they must run together."""
+    def _runs_compiled_in_order(self) -> bool:
+        """Whether the set runs compiled code on several replicas (NOTE [ Compiled replicas run
+        in order ]), unless replicas meet inside a forward (SyncBatchNorm, replication
+        callbacks): those must run together, on threads."""
         from fastdp.sync_batchnorm import _syncable
 
         self.meet = any(_syncable(m) or hasattr(m, "__data_parallel_replicate__")
                         for m in self.modules)
-        if len(self.devices) < 2 or self.meet or (
-                self.compile_ctx is None and not any(is_compiled(m) for m in self.modules)):
-            return None
-        return WarmKeys()
+        return len(self.devices) > 1 and not self.meet and (
+            self.compile_ctx is not None or any(is_compiled(m) for m in self.modules))
 
     def _assign(self, tensors: list[list[torch.Tensor]] | None = None) -> None:
         """Point every replica's parameter slots at ``tensors`` (default ``self.tensors``: build
@@ -304,7 +297,7 @@ class ReplicaSet(LeafAccumulation):
     def _renew(self) -> None:
         """Fresh replica tensors (and, on the extension path, a fresh node)."""
         self.tensors = self._new_tensors()
-        if self.warm is not None or self.in_order:
+        if self.in_order:
             mark_static(self.tensors)
         self._assign()
         if self.state is not None and self.any_grad:
@@ -317,7 +310,7 @@ class ReplicaSet(LeafAccumulation):
         with torch.inference_mode(False):
             self.buffer_copies = [[torch.empty_like(b, device=d) for b in self.buffers]
                                   for d in self.devices[1:]]
-        if self.warm is not None or self.in_order:
+        if self.in_order:
             mark_static(self.buffer_copies)
         if self.buffer_state is not None:
             self.buffer_state.tensors = [list(self.buffers)] + self.buffer_copies

@@ -209,14 +209,10 @@ class FastDataParallel(DataParallel):
             replicas = self.replicate(self.module, ids[: len(inputs)])
             on = {"devices": devices[: len(inputs)]} if custom else {}
             rs, self._step_rs = self._step_rs, None
-            warm = rs.warm.new(inputs, module_kwargs) if rs is not None and rs.warm else None
-            in_order = warm is not None or (rs is not None and rs.in_order)
-            if in_order:  # new inputs (WarmKeys) or CUDA graphs: NOTE [ CUDA graphs on replicas ]
+            if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
                 on["launch"] = "inline"
             with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
                 outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
-            if warm is not None:
-                rs.warm.add(warm)
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
@@ -340,8 +336,8 @@ class FastDataParallel(DataParallel):
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
                        kwargs: Any, devices: Sequence[Any] | None = None, *,
                        launch: str | None = None) -> list[Any]:
-        """``launch`` overrides the wrapper's strategy for this call (compiled sets run a step on
-        new inputs ``"inline"``: NOTE [ Compiled replicas ])."""
+        """``launch`` overrides the wrapper's strategy for this call (compiled replica sets run
+        ``"inline"``: NOTE [ Compiled replicas run in order ] in ``fastdp/_compiled.py``)."""
         if devices is None:
             devices = self._devices[: len(replicas)]
         launch = launch or self.launch
