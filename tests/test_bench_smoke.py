@@ -117,3 +117,19 @@ def test_compile_suite_records_compile_time_recompiles_and_floor_ratios(tmp_path
     for m in ("floor_compiled", "fastdp_compiled", "fastdp_wrapper"):
         assert {"first_step_s", "frames_first_step", "recompiles_20_steps"} <= set(recs[m])
     assert "x floor" in (tmp_path / "table.txt").read_text()
+
+
+def test_torch_dp_without_cuda_is_checked_against_the_whole_batch():
+    """nn.DataParallel without CUDA runs the module on the whole batch: with BatchNorm its output
+    differs from the chunked reference, which must not read as a failed check."""
+    from fastdp.bench import workloads as wl
+    from fastdp.bench.runner import Settings, time_modes
+
+    w = wl.catalogue("tiny")["resnet50"]
+    model, args = wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
+    recs = time_modes(Settings(profile="tiny", repeats=1, max_total_s=0.5), suite="gpu-steps",
+                      w=w, model=model, args=args, devices=["cpu", "cpu"], n=2,
+                      ref_device="cpu", mode_list=("torch_dp", "fastdp"))
+    by_mode = {r["mode"]: r for r in recs}
+    assert by_mode["torch_dp"]["status"] == "ok", by_mode["torch_dp"].get("check")
+    assert by_mode["fastdp"]["status"] == "ok", by_mode["fastdp"].get("check")

@@ -137,8 +137,10 @@ def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str]
                 calls[m] = call
                 if m not in ("bare", "floor") and s.check:
                     rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
+                    # nn.DataParallel without CUDA runs the module on the whole batch
+                    chunks = 1 if m == "torch_dp" and not call.device_ids else n
                     with modes.mode_context(m):
-                        r["check"] = modes.check(model, call, args, n, ref_device, rtol)
+                        r["check"] = modes.check(model, call, args, chunks, ref_device, rtol)
                     if not r["check"]["ok"]:
                         r["status"] = "check_failed"
                 fn = modes.in_mode(m, make(call, args))
