@@ -34,7 +34,7 @@ from fastdp.parallel_apply import (
     must_run_concurrently,
     parallel_apply,
     raise_first_error,
-    run_inline,
+    run_here,
     run_replica,
 )
 from fastdp.replicate import replicate
@@ -42,6 +42,12 @@ from fastdp.scatter_gather import gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
+
+# The profiler's label of a step, as DataParallel's record_function; the C++ context manager
+# inductor uses costs ~0.5 us where record_function costs ~11 (it builds a Python object and
+# calls a dispatcher op even when no profiler runs).
+_record_function = getattr(torch._C._profiler, "_RecordFunctionFast",
+                           torch.autograd.profiler.record_function)
 
 
 def _check_device(module: Module, src: torch.device) -> None:
@@ -179,7 +185,7 @@ class FastDataParallel(DataParallel):
         return self._forward(inputs, kwargs, self._compile_ctx)
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
-        with torch.autograd.profiler.record_function("FastDataParallel.forward"):
+        with _record_function("FastDataParallel.forward"):
             self._step_ctx = ctx
             if self._pending_sets and not self._no_sync and torch.is_grad_enabled():
                 self._fold_pending()
@@ -206,13 +212,17 @@ class FastDataParallel(DataParallel):
             if len(self.device_ids) == 1:
                 out = self._module_for(ctx)(*inputs[0], **module_kwargs[0])
                 return self._direct(out, batch, devices[0])
-            replicas = self.replicate(self.module, ids[: len(inputs)])
+            replicas = self.replicate(self.module, ids if len(ids) == len(inputs)
+                                      else ids[: len(inputs)])
             on = {"devices": devices[: len(inputs)]} if custom else {}
             rs, self._step_rs = self._step_rs, None
             if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
                 on["launch"] = "inline"
-            with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, replication callbacks
+            if rs is not None and not rs.meet:  # no SyncBatchNorm, no callbacks: nothing to arm
                 outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+            else:
+                with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
+                    outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
@@ -308,7 +318,7 @@ class FastDataParallel(DataParallel):
         self._checked = None
 
     def replicate(self, module: Module, device_ids: Sequence[Any]) -> list[Module]:
-        devs = _devs(device_ids)
+        devs = _devs(device_ids, self)
         if not self.persistent or module is not self.module:
             return replicate(module, devs, not torch.is_grad_enabled())
         ctx = self._step_ctx
@@ -330,7 +340,7 @@ class FastDataParallel(DataParallel):
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                 device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:
-        return scatter_kwargs(inputs, kwargs, _devs(device_ids), dim=self.dim,
+        return scatter_kwargs(inputs, kwargs, _devs(device_ids, self), dim=self.dim,
                               chunk_sizes=chunk_sizes)
 
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
@@ -349,26 +359,29 @@ class FastDataParallel(DataParallel):
         if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
             self._pool.drain()
             self.invalidate_replicas()
-        state = capture_state(devices)
         kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
-        fns = [_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
-               for i in range(len(replicas))]
+        call = (replicas, inputs, kwargs, devices)
         if launch != "auto":
             self.last_launch = launch
-            results = self._launch(launch, fns)
+            results = self._launch(launch, *call)
         else:  # see NOTE [ Launch strategies ]
-            key = (tuple(devices), input_key(inputs, kwargs), state["grad"])
+            key = (tuple(devices), input_key(inputs, kwargs), torch.is_grad_enabled())
             launch, timed = self._auto.pick(key)
             self.last_launch = launch
             t0 = time.perf_counter()
-            results = self._launch(launch, fns)
+            results = self._launch(launch, *call)
             if timed:
                 self._auto.record(key, launch, time.perf_counter() - t0)
         raise_first_error(results)
         return results
 
-    def _launch(self, launch: str, fns: list[_Call]) -> list[Any]:
-        return run_inline(fns) if launch == "inline" else self._pool.run(fns)
+    def _launch(self, launch: str, replicas: Sequence[Module], inputs: Sequence[Any],
+                kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> list[Any]:
+        if launch == "inline":
+            return run_here(replicas, inputs, kwargs, devices)
+        state = capture_state(devices)  # in the caller: NOTE [ The caller's streams ]
+        return self._pool.run([_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
+                               for i in range(len(replicas))])
 
     def launch_report(self) -> list[dict[str, Any]]:
         """What ``launch="auto"`` measured and chose, one record per (devices, inputs, grad):
@@ -400,7 +413,9 @@ def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:
     return None if batch is None else chunk_sizes_for(batch, num_devices)[:n]
 
 
-def _devs(ids: Sequence[Any]) -> list[torch.device]:
+def _devs(ids: Sequence[Any], owner: FastDataParallel) -> list[torch.device]:
+    if ids is owner.device_ids:  # the step's own ids (not copied: see forward)
+        return owner._devices
     return [as_device(i) for i in ids]
 
 

@@ -26,7 +26,7 @@ from fastdp._devices import as_device
 from fastdp._launch import resolve_launch
 
 __all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise",
-           "run_inline", "must_run_concurrently"]
+           "run_inline", "run_here", "must_run_concurrently"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -157,6 +157,30 @@ def run_inline(fns: Sequence[Any]) -> list[Any]:
     nothing left running (the later replicas do not run).
     """
     return [fn() for fn in fns]
+
+
+def run_here(modules: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]],
+             devices: Sequence[torch.device]) -> list[Any]:
+    """The ``inline`` strategy as ``run_inline`` over ``run_replica`` tasks, without their state.
+
+    On the caller's own thread the state ``capture_state`` reads (grad and inference mode,
+    autocast, every device's current stream) is already in force, so a CUDA replica only enters
+    its device (whose current stream on this thread is the caller's). Errors are wrapped as ``run_replica`` wraps them.
+    """
+    out = []
+    for i, module in enumerate(modules):
+        inp, device = inputs[i], devices[i]
+        if not isinstance(inp, (list, tuple)):
+            inp = (inp,)
+        try:
+            if device.type == "cuda":
+                with torch.cuda.device(device.index):
+                    out.append(module(*inp, **kwargs[i]))
+            else:
+                out.append(module(*inp, **kwargs[i]))
+        except Exception:
+            out.append(ExceptionWrapper(where=f"in replica {i} on device {_public(device)}"))
+    return out
 
 
 def parallel_apply(
