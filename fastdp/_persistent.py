@@ -342,7 +342,8 @@ class ReplicaSet(LeafAccumulation):
             _watch.restore_dirty()
         self._copy_buffers()
         if self.state is not None:  # the node made by link() serves every step
-            self.state.copy(self.sources)
+            if self.copy_rows:  # aliases alone need no copy (nor the call's list conversion)
+                self.state.copy(self.sources)
             if self.any_grad and torch.is_grad_enabled():
                 self.state.mark_step()
             return self.replicas

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from fastdp._functions import _SCALAR_WARNING, Gather, Scatter
-from fastdp._planner import plan_chunks
+from fastdp._planner import chunk_sizes_for, plan_chunks
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
@@ -106,6 +107,14 @@ def _split_tensors(inputs: tuple, devices: Sequence[torch.device], dim: int,
                    chunk_sizes: Sequence[int] | None) -> Any:
     """``scatter_kwargs`` of positional tensors (no kwargs) on the replicas' one device; None
     where a leaf needs the general path's error (0-dim, ``dim`` out of range)."""
+    if chunk_sizes is None and len(inputs) == 1:  # the commonest call: one batch tensor
+        t = inputs[0]
+        n = t.dim()
+        d = dim + n if dim < 0 else dim
+        if not 0 <= d < n:
+            return None
+        parts = t.split_with_sizes(_chunk_sizes(t.size(d), len(devices)), d)
+        return tuple((p,) for p in parts), ({},) * len(parts)
     dims = []
     for t in inputs:
         n = t.dim()
@@ -117,6 +126,12 @@ def _split_tensors(inputs: tuple, devices: Sequence[torch.device], dim: int,
     chunks = [t.split_with_sizes(p, d) for t, p, d in zip(inputs, plan, dims)]
     k = len(plan[0])
     return tuple(tuple(c[r] for c in chunks) for r in range(k)), ({},) * k
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_sizes(size: int, n: int) -> tuple[int, ...]:
+    """``torch.chunk``'s sizes (the planner's, for one leaf), memoised: batch sizes repeat."""
+    return tuple(chunk_sizes_for(size, n))
 
 
 def _scatter_flat(devices: list[torch.device], plan: list[list[int]], dims: list[int],
@@ -223,7 +238,8 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
     """Gather per-replica outputs onto ``target_device`` (one fused Gather for all tensors)."""
     from fastdp._devices import as_device
 
-    target = as_device(target_device)
+    cpu = type(target_device) is torch.device and target_device.type == "cpu"
+    target = target_device if cpu else as_device(target_device)
     if outputs and _one_device(outputs, [target]):  # NOTE [ Same-device scatter and gather ]
         return _cat(outputs, dim)
     groups: list = []

@@ -81,6 +81,8 @@ def test_uneven_and_empty_batches_split_like_torch_chunk():
         assert len(kws) == len(ins) and all(k == {} for k in kws)
         for r, i in enumerate(ins):
             assert_close(i[1], i[0] + 1)
+        one, _ = sg.scatter_kwargs((x,), None, CPU3, -2)  # one leaf: memoised chunk sizes
+        assert [i[0].shape for i in one] == [i[0].shape for i in ins]
 
 
 def test_inputs_the_fast_split_does_not_take_still_raise_dataparallels_errors():
