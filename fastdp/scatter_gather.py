@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fastdp._devices import as_device
 from fastdp._functions import _SCALAR_WARNING, Gather, Scatter
 from fastdp._planner import chunk_sizes_for, plan_chunks
 
@@ -236,8 +237,6 @@ def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
 
 def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
     """Gather per-replica outputs onto ``target_device`` (one fused Gather for all tensors)."""
-    from fastdp._devices import as_device
-
     cpu = type(target_device) is torch.device and target_device.type == "cpu"
     target = target_device if cpu else as_device(target_device)
     if outputs and _one_device(outputs, [target]):  # NOTE [ Same-device scatter and gather ]
