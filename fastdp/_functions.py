@@ -12,6 +12,7 @@ backward works whichever backend (extension kernels carry no autograd history) d
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from itertools import chain
 
 import torch
@@ -23,6 +24,16 @@ _SCALAR_WARNING = (
     "Was asked to gather along dimension 0, but all input tensors were scalars; "
     "will instead unsqueeze and return a vector."
 )
+
+
+def vector_if_scalars(parts: Sequence[torch.Tensor],
+                      dim: int) -> tuple[Sequence[torch.Tensor], bool]:
+    """DataParallel's rule for one output leaf: 0-dim parts gathered along dim 0 become a vector
+    (each part viewed as size 1), with its warning. Returns the parts and whether they were."""
+    if dim == 0 and parts[0].dim() == 0 and all(t.dim() == 0 for t in parts):
+        warnings.warn(_SCALAR_WARNING, stacklevel=3)
+        return [t.view(1) for t in parts], True
+    return parts, False
 
 
 class Scatter(Function):
@@ -70,11 +81,7 @@ class Gather(Function):
         ctx.devices, ctx.sizes, ctx.scalar = [], [], []
         outs = []
         for i in range(n_leaves):
-            parts = flat[i * n_replicas:(i + 1) * n_replicas]
-            scalar = dim == 0 and all(t.dim() == 0 for t in parts)
-            if scalar:
-                parts = tuple(t.view(1) for t in parts)
-                warnings.warn(_SCALAR_WARNING, stacklevel=2)
+            parts, scalar = vector_if_scalars(flat[i * n_replicas:(i + 1) * n_replicas], dim)
             ctx.scalar.append(scalar)
             ctx.devices.append([t.device for t in parts])
             ctx.sizes.append([t.size(dim) for t in parts])

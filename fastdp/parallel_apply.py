@@ -26,7 +26,7 @@ from fastdp._devices import as_device
 from fastdp._launch import resolve_launch
 
 __all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise",
-           "run_inline", "run_here", "must_run_concurrently"]
+           "run_here", "must_run_concurrently"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -117,6 +117,11 @@ def _public(device: torch.device) -> Any:
     return device.index if device.type == "cuda" else device.type
 
 
+def _wrapped_error(i: int, device: torch.device) -> ExceptionWrapper:
+    """The exception being handled, as replica ``i`` on ``device`` raised it."""
+    return ExceptionWrapper(where=f"in replica {i} on device {_public(device)}")
+
+
 def run_replica(i: int, module: Module, inp: Any, kwargs: dict, device: torch.device,
                 state: dict[str, Any]) -> Any:
     """Call one replica; returns its output or an ExceptionWrapper (never raises)."""
@@ -127,7 +132,7 @@ def run_replica(i: int, module: Module, inp: Any, kwargs: dict, device: torch.de
                 inp = (inp,)
             return module(*inp, **kwargs)
     except Exception:
-        return ExceptionWrapper(where=f"in replica {i} on device {_public(device)}")
+        return _wrapped_error(i, device)
 
 
 # NOTE [ Replicas that must run at once ]
@@ -149,23 +154,15 @@ def must_run_concurrently(modules: Sequence[Module]) -> bool:
     return bool(_CONCURRENT) and bool(modules) and modules[0] in _CONCURRENT
 
 
-def run_inline(fns: Sequence[Any]) -> list[Any]:
-    """The ``inline`` strategy: call each replica's task in turn on this thread.
-
-    Tasks never raise (``run_replica`` wraps errors), so every replica runs, as on threads, and
-    ``raise_first_error`` picks the same error. A KeyboardInterrupt propagates at once, with
-    nothing left running (the later replicas do not run).
-    """
-    return [fn() for fn in fns]
-
-
 def run_here(modules: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]],
              devices: Sequence[torch.device]) -> list[Any]:
-    """The ``inline`` strategy as ``run_inline`` over ``run_replica`` tasks, without their state.
+    """The ``inline`` strategy: each replica in turn on the caller's thread.
 
-    On the caller's own thread the state ``capture_state`` reads (grad and inference mode,
-    autocast, every device's current stream) is already in force, so a CUDA replica only enters
-    its device (whose current stream on this thread is the caller's). Errors are wrapped as ``run_replica`` wraps them.
+    Here the state ``capture_state`` reads (grad and inference mode, autocast, every device's
+    current stream) is in force already, so a CUDA replica only enters its device (whose current
+    stream on this thread is the caller's). Errors are wrapped as ``run_replica`` wraps them, so
+    every replica runs, as on threads, and ``raise_first_error`` picks the same error. A
+    KeyboardInterrupt propagates at once, with nothing left running (later replicas do not run).
     """
     out = []
     for i, module in enumerate(modules):
@@ -179,7 +176,7 @@ def run_here(modules: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[
             else:
                 out.append(module(*inp, **kwargs[i]))
         except Exception:
-            out.append(ExceptionWrapper(where=f"in replica {i} on device {_public(device)}"))
+            out.append(_wrapped_error(i, device))
     return out
 
 
@@ -229,9 +226,7 @@ def parallel_apply(
         results[i] = run_replica(i, modules[i], inputs[i], kwargs_tup[i], devs[i], state)
 
     if resolve_launch(launch) == "inline" and not must_run_concurrently(modules):
-        results = run_inline([lambda i=i: run_replica(i, modules[i], inputs[i], kwargs_tup[i],
-                                                      devs[i], state)
-                              for i in range(len(modules))])
+        results = run_here(modules, inputs, kwargs_tup, devs)
     elif len(modules) > 1:
         threads = [threading.Thread(target=work, args=(i,), daemon=True)
                    for i in range(len(modules))]

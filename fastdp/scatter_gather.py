@@ -13,14 +13,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from fastdp._devices import as_device
-from fastdp._functions import _SCALAR_WARNING, Gather, Scatter
+from fastdp._functions import Gather, Scatter, vector_if_scalars
 from fastdp._planner import chunk_sizes_for, plan_chunks
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
@@ -108,22 +107,17 @@ def _split_tensors(inputs: tuple, devices: Sequence[torch.device], dim: int,
                    chunk_sizes: Sequence[int] | None) -> Any:
     """``scatter_kwargs`` of positional tensors (no kwargs) on the replicas' one device; None
     where a leaf needs the general path's error (0-dim, ``dim`` out of range)."""
-    if chunk_sizes is None and len(inputs) == 1:  # the commonest call: one batch tensor
-        t = inputs[0]
+    dims = []
+    for t in inputs:
         n = t.dim()
         d = dim + n if dim < 0 else dim
         if not 0 <= d < n:
             return None
-        parts = t.split_with_sizes(_chunk_sizes(t.size(d), len(devices)), d)
-        return tuple((p,) for p in parts), ({},) * len(parts)
-    dims = []
-    for t in inputs:
-        n = t.dim()
-        d = dim % n if dim < 0 and n else dim
-        if not 0 <= d < n:
-            return None
         dims.append(d)
-    plan = plan_chunks([t.size(d) for t, d in zip(inputs, dims)], len(devices), chunk_sizes)
+    if chunk_sizes is None and len(inputs) == 1:  # the commonest call: one batch tensor
+        plan = [_chunk_sizes(inputs[0].size(dims[0]), len(devices))]
+    else:
+        plan = plan_chunks([t.size(d) for t, d in zip(inputs, dims)], len(devices), chunk_sizes)
     chunks = [t.split_with_sizes(p, d) for t, p, d in zip(inputs, plan, dims)]
     k = len(plan[0])
     return tuple(tuple(c[r] for c in chunks) for r in range(k)), ({},) * k
@@ -229,10 +223,7 @@ def _gbuild(spec: tuple, gathered: Sequence[torch.Tensor]) -> Any:
 
 def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """``Gather``'s concatenation of one leaf on its own device (0-dim parts become a vector)."""
-    if dim == 0 and parts[0].dim() == 0 and all(t.dim() == 0 for t in parts):
-        warnings.warn(_SCALAR_WARNING, stacklevel=4)
-        parts = [t.view(1) for t in parts]
-    return torch.cat(parts, dim)
+    return torch.cat(vector_if_scalars(parts, dim)[0], dim)
 
 
 def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:

@@ -79,7 +79,7 @@ def test_uneven_and_empty_batches_split_like_torch_chunk():
         else:
             assert [i[0].shape[0] for i in ins] == [c.shape[0] for c in x.chunk(3)]
         assert len(kws) == len(ins) and all(k == {} for k in kws)
-        for r, i in enumerate(ins):
+        for i in ins:
             assert_close(i[1], i[0] + 1)
         one, _ = sg.scatter_kwargs((x,), None, CPU3, -2)  # one leaf: memoised chunk sizes
         assert [i[0].shape for i in one] == [i[0].shape for i in ins]
