@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import torch

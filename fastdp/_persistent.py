@@ -40,8 +40,13 @@ from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, comm
 from fastdp._accumulate import LeafAccumulation
-from fastdp._compiled import (compile_root, finish_replica, is_compiled, mark_static,
-                              replicate_module)
+from fastdp._compiled import (
+    compile_root,
+    finish_replica,
+    is_compiled,
+    mark_static,
+    replicate_module,
+)
 from fastdp._functions import ReduceAddCoalesced
 
 

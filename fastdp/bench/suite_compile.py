@@ -29,7 +29,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-import fastdp.bench.workloads as wl
 from fastdp.bench import modes
 from fastdp.bench.runner import Settings, Task, guarded, time_into
 
