@@ -5,11 +5,8 @@
 #include <optional>
 
 #include "build_info.h"
-#include "comm.h"
-#include "comm_buckets.h"
 #include "gather.h"
 #include "planner.h"
-#include "refresh.h"
 #include "scatter.h"
 #include "signature.h"
 #include "transfer.h"
@@ -46,104 +43,9 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("grad_fn_use_count", &fastdp::grad_fn_use_count, py::arg("tensor"),
         "Number of owners of tensor.grad_fn's node (0 without one); see NOTE [ Persistent "
-        "replicas ].");
+        "replicas ] in fastdp/_persistent.py.");
 
-  py::class_<fastdp::RefreshState, std::shared_ptr<fastdp::RefreshState>>(
-      m, "RefreshState",
-      "Persistent replica tensors of one replica set; see NOTE [ Persistent replicas ].")
-      .def(py::init<>())
-      .def_readwrite("tensors", &fastdp::RefreshState::tensors,
-                     "tensors[j][k]: source k on replica j (replica 0 aliases the sources)")
-      .def_readwrite("copy_rows", &fastdp::RefreshState::copy_rows,
-                     "replicas whose tensors are copies refreshed by copy()/refresh()")
-      .def(
-          "copy",
-          [](fastdp::RefreshState& st, const std::vector<at::Tensor>& sources) {
-            py::gil_scoped_release no_gil;
-            fastdp::refresh_copy(st, sources);
-          },
-          "Copy sources into the replicas of copy_rows (no autograd).")
-      .def(
-          "link",
-          [](const std::shared_ptr<fastdp::RefreshState>& st,
-             const std::vector<at::Tensor>& sources) {
-            py::gil_scoped_release no_gil;
-            fastdp::refresh_link(st, sources);
-          },
-          "Copy, and link every replica tensor to the sources through one reusable autograd node.")
-      .def("mark_step", &fastdp::refresh_mark_step,
-           "A step that may build a graph through the node (its backward clears it).")
-      .def("graph_alive", &fastdp::refresh_graph_alive,
-           "Whether the last step's graph may still need the current replica tensors.");
-
-  // ---- Coalesced broadcast / reduce-add (csrc/comm.h) ----
-  m.def(
-      "broadcast_coalesced",
-      [](const std::vector<at::Tensor>& tensors, const std::vector<at::Device>& devices,
-         int64_t buffer_size) {
-        py::gil_scoped_release no_gil;
-        return fastdp::broadcast_coalesced(tensors, devices, buffer_size);
-      },
-      py::arg("tensors"), py::arg("devices"), py::arg("buffer_size") = 10485760,
-      "torch.nn.parallel.comm.broadcast_coalesced: result[0] are `tensors` themselves, result[d] "
-      "bit-identical contiguous copies on devices[d] (views into flat per-dtype buckets of at most "
-      "buffer_size bytes, own version counters). devices: torch.device objects, all CPU or all "
-      "CUDA; one grouped NCCL call for distinct GPUs, device copies for repeated ids.");
-  m.def(
-      "broadcast_coalesced_into",
-      [](const std::vector<at::Tensor>& tensors, const std::vector<std::vector<at::Tensor>>& outs) {
-        py::gil_scoped_release no_gil;
-        fastdp::broadcast_coalesced_into(tensors, outs);
-      },
-      py::arg("tensors"), py::arg("outs"),
-      "Refreshes persistent copies in place (one call per step): outs[k][j] = tensors[j] for every "
-      "destination k. Destinations laid out as buckets (e.g. result[1:] of broadcast_coalesced) "
-      "take one NCCL op / copy per bucket; any other layout is copied per tensor. Bumps the "
-      "outs' version counters.");
-  m.def(
-      "reduce_add_coalesced",
-      [](const std::vector<std::vector<at::Tensor>>& inputs, at::Device destination,
-         int64_t buffer_size) {
-        py::gil_scoped_release no_gil;
-        return fastdp::reduce_add_coalesced(inputs, destination, buffer_size);
-      },
-      py::arg("inputs"), py::arg("destination"), py::arg("buffer_size") = 10485760,
-      "torch.nn.parallel.comm.reduce_add_coalesced: result[j] = inputs[0][j] + inputs[1][j] + ... "
-      "(list order, each add rounded to the dtype) on `destination`, a torch.device holding one "
-      "input list. Dense tensors only; one grouped NCCL reduce between distinct GPUs.");
-  m.def(
-      "coalesced_supported",
-      [](const std::vector<at::Tensor>& tensors, bool reduce) {
-        return fastdp::coalesced_supported(tensors, reduce);
-      },
-      py::arg("tensors"), py::arg("reduce") = false,
-      "Whether broadcast_coalesced(_into) (reduce=False) or reduce_add_coalesced (reduce=True) "
-      "serves all these tensors: strided layout and a supported dtype. Else use the torch path.");
-  m.def(
-      "_coalesced_runs",
-      [](const std::vector<at::Tensor>& tensors, const std::vector<std::vector<at::Tensor>>& outs) {
-        std::vector<int64_t> strided;
-        std::vector<std::vector<int64_t>> runs;
-        for (const auto& r : fastdp::dense_runs(tensors, outs, strided)) runs.push_back(r.index);
-        return std::make_pair(runs, strided);
-      },
-      py::arg("tensors"), py::arg("outs"),
-      "Diagnostics: how broadcast_coalesced_into's CUDA path groups `outs` (index lists of the "
-      "runs refreshed by one flat copy / NCCL op each, and the indices copied one by one).");
-  m.def(
-      "nccl_available",
-      []() { return fastdp::nccl_available(); },
-      "Whether this build links NCCL (used by the coalesced ops for distinct GPUs).");
-  m.def(
-      "nccl_comm_info",
-      [](const std::vector<int64_t>& devices) {
-        py::gil_scoped_release no_gil;
-        return fastdp::nccl_comm_info(devices);
-      },
-      py::arg("devices"),
-      "The cached NCCL communicators for CUDA device indices `devices` (rank order), created on "
-      "first use: a list of (cuda device, rank, number of ranks). Raises without NCCL.");
-  // --- scatter / gather (issue 3) ---------------------------------------------------------------
+  // --- scatter / gather ---------------------------------------------------------------------
   m.def(
       "scatter_chunks",
       [](const std::vector<at::Tensor>& leaves, const std::vector<std::vector<int64_t>>& plan,

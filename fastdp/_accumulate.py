@@ -1,8 +1,8 @@
 """``no_sync()``: gradient accumulation that keeps gradients on the replicas between reductions.
 
 NOTE [ no_sync ]
-A step's backward normally runs the refresh node's backward (see NOTE [ Persistent replicas ]):
-every replica's gradient is reduced onto the originals' device and summed into ``.grad``. With
+A step's backward normally runs the bucket nodes' backward (NOTE [ Early reduction ]): every
+replica's gradient is reduced onto the originals' device and summed into ``.grad``. With
 gradient accumulation that is one cross-device reduce of all parameters per micro-step. Under
 ``FastDataParallel.no_sync()`` (DDP's API; decided at forward time, as in DDP) a step's replicas
 run on *leaves*: ``detach()`` views of the persistent replica tensors (same storage, no refresh
@@ -34,12 +34,11 @@ Safety:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from fastdp import _watch
 from fastdp._compiled import mark_static
+from fastdp.reducer import reduce_add
 
 
 def grad_marks(sources: list[torch.Tensor]) -> tuple:
@@ -55,26 +54,28 @@ def make_leaves(tensors: list[list[torch.Tensor]], sources: list[torch.Tensor]
                 for row in tensors]
 
 
-def fold(pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]) -> int:
+def fold(pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
+         stats: dict[str, int] | None = None) -> int:
     """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
-    in-place add); returns how many sources received gradients."""
-    totals: dict[int, tuple[torch.Tensor, Any]] = {}
+    in-place add) through the one reducer (NOTE [ One reducer ]); returns how many sources
+    received gradients. A source no replica computed a gradient for stays as it was."""
+    received = 0
     for sources, leaves in pending:
-        for k, s in enumerate(sources):
-            for row in leaves:
-                g = row[k].grad
-                if g is None:
-                    continue
-                g = g.to(s.device)
-                hit = totals.get(id(s))
-                totals[id(s)] = (s, g if hit is None else hit[1] + g)
-    with torch.no_grad():
-        for s, total in totals.values():
-            if s.grad is None:
-                s.grad = total.clone()  # never a leaf's own .grad object
-            else:
-                s.grad += total
-    return len(totals)
+        hit = [k for k in range(len(sources)) if any(row[k].grad is not None for row in leaves)]
+        rows = [[row[k].grad if row[k].grad is not None else torch.zeros_like(row[k])
+                 for k in hit] for row in leaves if any(row[k].grad is not None for k in hit)]
+        if not hit:
+            continue
+        with torch.no_grad():
+            totals = reduce_add(rows, sources[0].device, stats=stats)  # never a leaf's .grad
+            for k, total in zip(hit, totals):
+                s = sources[k]
+                if s.grad is None:
+                    s.grad = total
+                else:
+                    s.grad += total
+        received += len(hit)
+    return received
 
 
 class LeafAccumulation:
@@ -85,12 +86,9 @@ class LeafAccumulation:
         """A micro-step under ``no_sync``: replicas on leaves, nothing linked or reduced."""
         first = self.leaves is None
         if first:
-            if self.state is not None:
-                if self.copy_rows and self.state.graph_alive():
-                    self._renew()
-            elif self._graph_alive():
+            if self._graph_alive() and (self.copy_rows or not self.linked):
                 self._renew()
-            self.token = None
+            self.pending.value = False
             self.leaves = make_leaves(self.tensors, self.sources)
             if self.in_order:
                 mark_static(self.leaves)
@@ -105,7 +103,7 @@ class LeafAccumulation:
         self._copy_buffers()
         if first:  # later micro-steps: the originals did not change; pending graphs saved these
             with torch.no_grad():
-                self.copy_sources(tuple(self.sources))
+                self.copy_sources()
         return self.replicas
 
     def drop_pending(self) -> None:

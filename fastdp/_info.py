@@ -13,10 +13,10 @@ _STAGES = {
     "plan": "plan_chunks",
     "scatter": "scatter_chunks",
     "gather": "gather_into",
-    "broadcast": "broadcast_coalesced",
-    "refresh": "broadcast_coalesced_into",
-    "reduce": "reduce_add_coalesced",
 }
+# NOTE [ Buckets ], NOTE [ One reducer ]: the same engine whatever the extension does.
+_ENGINE = ("engine: flat buckets; CPU transport (copies, sums); CUDA transport "
+           "(torch.cuda.comm broadcast/reduce_add: NCCL between distinct GPUs, else copies)")
 
 
 def _nccl_version() -> str | None:
@@ -38,6 +38,7 @@ def info() -> dict[str, Any]:
         stage: ("extension" if ext is not None and hasattr(ext, fn) else "torch")
         for stage, fn in _STAGES.items()
     }
+    backend.update(refresh=_ENGINE, reduce=_ENGINE)
     return {
         "version": __version__,
         "torch": torch.__version__,

@@ -1,32 +1,20 @@
 """Persistent replicas: built once per device tuple, refreshed every step, never stale.
 
 NOTE [ Persistent replicas ]
-DataParallel's ``replicate`` clones every submodule and ``setattr``s every parameter on every step.
-A ``ReplicaSet`` does that once. Each replica's parameters are persistent tensors: replica 0's
-alias the originals (``detach()``: storage and version counter shared, as DataParallel's views);
-replicas on the originals' own device (CPU replicas, repeated GPU ids) alias the storage with
-version counters of their own, so optimizer steps reach them with no copy; replicas on other
-devices hold copies, refreshed every step by one call per device. Buffers are copies (refreshed
-every step) except replica 0's, which are the originals (BatchNorm statistics from replica 0).
-
-Autograd: one ``Refresh`` node *returns the persistent tensors themselves*, so their ``grad_fn``
-is that node and the replica modules never need touching. Its backward sums every replica's
-gradient into the originals (DataParallel's Broadcast backward: a coalesced reduce), so gradient
-hooks on the originals see the total once, ``autograd.grad`` works, unused parameters get zeros,
-and double backward works (differentiable ops). On the extension path the node is made once per
-tensor set (``RefreshState.link``) and reused by every step: it saves no tensors, so nothing is
-freed by a backward. A step's Python work is then a signature check, a copy call and a flag. On
-the torch path a Python ``Refresh`` is applied every step.
-
-Overwriting copies is only safe when no live graph still needs their old values. A step is
-"pending" from its refresh until the node's backward runs; a pending step is harmless once
-nothing points at the node any more (the extension compares the node's owner count with its value
-right after linking). Otherwise (two forwards before one backward with copies, held outputs, or
-the torch path without a backward) the set gets fresh copies (and a fresh node): slower, correct.
-Aliases are never overwritten, so they never need this.
-Rebuilds on structural change: see NOTE [ Replica invalidation ] in ``fastdp/_watch.py``.
-Compiled modules: NOTE [ Compiled replicas ] and NOTE [ CUDA graphs on replicas ] in
-``fastdp/_compiled.py``; ``no_sync()``'s leaves: NOTE [ no_sync ] in ``fastdp/_accumulate.py``.
+A ``ReplicaSet`` clones the module tree once. Replica 0's tensors alias the originals
+(``detach()``: storage and version counter shared, as DataParallel's); replicas on the
+originals' own device alias the storage with version counters of their own (no copy; not under
+``FASTDP_CPU_DISTINCT=1``); the others are tensors on per-bucket flats, refreshed every step
+by the engine (NOTE [ Buckets ] in ``fastdp/engine.py``). Buffers: replica 0's are the
+originals, the others bucket copies. Autograd: one ``BucketReduce`` node per bucket returns the
+replicas' tensors themselves (NOTE [ Early reduction ] in ``fastdp/reducer.py``). With the
+extension the nodes are made once per tensor set and serve every step (they save nothing);
+overwriting copies while a graph still needs them is avoided by renewing them (fresh flats,
+fresh nodes) when a step's graph is alive: pending since its forward and referenced beyond the
+nodes' owner counts right after linking. Without the extension nodes are made every step.
+Rebuilds: NOTE [ Replica invalidation ] in ``fastdp/_watch.py``; compiled modules: NOTE
+[ Compiled replicas ] in ``fastdp/_compiled.py``; ``no_sync()``: NOTE [ no_sync ] in
+``fastdp/_accumulate.py``.
 """
 
 from __future__ import annotations
@@ -34,11 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd import Function
 from torch.nn import Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _backend, _watch, comm
+from fastdp import _backend, _watch, engine
 from fastdp._accumulate import LeafAccumulation
 from fastdp._compiled import (
     compile_root,
@@ -47,7 +34,7 @@ from fastdp._compiled import (
     mark_static,
     replicate_module,
 )
-from fastdp._functions import ReduceAddCoalesced
+from fastdp.reducer import BucketLink, Pending, link_bucket
 
 
 def tensor_signature(tensors: list[torch.Tensor]) -> Any:
@@ -59,52 +46,8 @@ def tensor_signature(tensors: list[torch.Tensor]) -> Any:
                  for t in tensors)
 
 
-class _Token:
-    """Whether a step's graph still awaits its backward (see NOTE [ Persistent replicas ])."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self) -> None:
-        self.pending = True
-
-
-class Refresh(Function):
-    """``Refresh.apply(rs, *sources)``: refresh ``rs``'s replica tensors, link them to sources."""
-
-    @staticmethod
-    def forward(ctx, rs, *sources):
-        rs.copy_sources(sources)
-        ctx.n, ctx.devices, ctx.src = len(sources), rs.devices, rs.src_device
-        ctx.token = rs.token = _Token()
-        outs = [t for dev_tensors in rs.tensors for t in dev_tensors]
-        n = len(sources)
-        frozen = [outs[j * n + k] for k in range(n) if not ctx.needs_input_grad[1 + k]
-                  for j in range(len(rs.devices))]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.token.pending = False
-        if len(ctx.devices) == 1:
-            return (None, *grads)
-        return (None, *ReduceAddCoalesced.apply(ctx.src, ctx.n, *grads))
-
-
 class NotCacheable(Exception):
     """The module cannot have persistent replicas (TorchScript modules); replicate afresh."""
-
-
-def _apply_refresh(rs: ReplicaSet, sources: list[torch.Tensor]) -> Any:
-    """``Refresh.apply`` minus ``Function.apply``'s per-argument Python pass (which only unwraps
-    dead functorch wrappers, so it is kept whenever a functorch transform is active)."""
-    if torch._C._are_functorch_transforms_active():
-        return Refresh.apply(rs, *sources)
-    return _FUNCTION_BASE_APPLY.__get__(None, Refresh)(rs, *sources)
-
-
-_FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -121,7 +64,8 @@ class ReplicaSet(LeafAccumulation):
     alias_same_device = True  # tests turn it off to exercise the copy path on one device
 
     def __init__(self, network: Module, devices: list[torch.device],
-                 compile_ctx: Any = None) -> None:
+                 compile_ctx: Any = None, cap_bytes: float = engine.DEFAULT_CAP_MB * 2**20,
+                 stats: dict[str, int] | None = None) -> None:
         from fastdp import replicate as _rep
 
         if not _rep._replicatable_module(network):
@@ -130,6 +74,8 @@ class ReplicaSet(LeafAccumulation):
         self.devices = list(devices)
         self.src_device = devices[0]
         self.compile_ctx = compile_ctx  # the wrapper's torch.compile context (roots only)
+        self.cap_bytes = cap_bytes
+        self.stats = stats  # the wrapper's comm_stats() counters
         self.modules = list(network.modules())
         if any(isinstance(m, torch.jit.ScriptModule) for m in self.modules):
             raise NotCacheable("TorchScript modules are replicated afresh every step")
@@ -144,25 +90,20 @@ class ReplicaSet(LeafAccumulation):
         self.watched = self.sources + self.buffers
         self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
-        self.token: _Token | None = None
+        self.alias = self.alias_same_device and not engine.cpu_distinct()
+        self.linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
+        self.pending = Pending(False)
+        self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
         self.in_order = False  # NOTE [ Compiled replicas run in order ]
         self.leaf_mode = False
         self.marks: tuple = ()
-        ext = _backend.ext()
-        self.ext = ext if ext is not None and hasattr(ext, "RefreshState") else None
-        self.state = self.ext.RefreshState() if self.ext is not None else None
-        self.buffer_state = self.ext.RefreshState() if self.ext is not None else None
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self.tensors = self._new_tensors()
-            self.buffer_copies = [[b.detach().to(d, copy=True) for b in self.buffers]
-                                  for d in self.devices[1:]]
-        if self.buffer_state is not None:
-            self.buffer_state.tensors = [list(self.buffers)] + self.buffer_copies
-            self.buffer_state.copy_rows = list(range(1, len(self.devices)))  # always copies
+            self._new_buffer_copies()
         self.replicas = self._build()
-        if self.state is not None and self.any_grad:
-            self.state.link(self.sources)
+        if self.linked and self.any_grad:
+            self._link()
         _watch.watch(self.modules)
         self.generation = _watch.generation()  # after building: building bumps it
         self.signature = tensor_signature(self.watched)
@@ -170,19 +111,37 @@ class ReplicaSet(LeafAccumulation):
 
     def _new_tensors(self) -> list[list[torch.Tensor]]:
         with torch.inference_mode(False):
-            return self._make_tensors()
-
-    def _make_tensors(self) -> list[list[torch.Tensor]]:
-        first = [s.detach() for s in self.sources]  # replica 0: storage and version shared
-        rest = [[_alias(s) for s in self.sources] if d == self.src_device and self.alias_same_device
-                else [torch.empty_like(s, device=d) for s in self.sources]
-                for d in self.devices[1:]]
-        self.copy_rows = [j for j in range(1, len(self.devices))
-                          if not (self.devices[j] == self.src_device and self.alias_same_device)]
-        if self.state is not None:
-            self.state.tensors = [first] + rest
-            self.state.copy_rows = self.copy_rows
+            first = [s.detach() for s in self.sources]  # replica 0: storage and version shared
+            self.copy_rows = [j for j in range(1, len(self.devices))
+                              if not (self.devices[j] == self.src_device and self.alias)]
+            self.layout = engine.Layout(self.sources, self.devices, self.copy_rows,
+                                        self.cap_bytes)
+            rest = [self.layout.rows[j] if j in self.layout.rows
+                    else [_alias(s) for s in self.sources] for j in range(1, len(self.devices))]
         return [first] + rest
+
+    def _new_buffer_copies(self) -> None:
+        """Buffers of replicas 1.. are always copies (BatchNorm updates them in place)."""
+        self.buffer_layout = engine.Layout(self.buffers, self.devices,
+                                           range(1, len(self.devices)), self.cap_bytes)
+        self.buffer_copies = [self.buffer_layout.rows[j] for j in range(1, len(self.devices))]
+
+    def _link(self, pending: Pending | None = None) -> None:
+        """One ``BucketReduce`` node per bucket (grad mode on), outputs the persistent tensors."""
+        self.pending = Pending(False) if pending is None else pending
+        self.probes = []
+        with torch.enable_grad(), torch.inference_mode(False):
+            for bucket in self.layout.buckets:
+                link = BucketLink(len(bucket), self.src_device, self.stats, self.pending)
+                link_bucket(link, [[row[i] for i in bucket] for row in self.tensors],
+                            [self.sources[i] for i in bucket])
+        ext = _backend.ext()
+        if self.linked and ext is not None:
+            for bucket in self.layout.buckets:
+                probe = next((self.tensors[0][i] for i in bucket
+                              if self.tensors[0][i].grad_fn is not None), None)
+                if probe is not None:
+                    self.probes.append((probe, ext.grad_fn_use_count(probe)))
 
     def _build(self) -> list[Module]:
         index = {m: i for i, m in enumerate(self.modules)}
@@ -276,8 +235,7 @@ class ReplicaSet(LeafAccumulation):
         """Whether the replicas still match the module. ``verified``: the wrapper's record of a
         signature check passed this step (NOTE [ One signature per step ] in data_parallel.py);
         when the set was last validated under the same record, its own signature is skipped."""
-        ext = _backend.ext()
-        if (ext if ext is not None and hasattr(ext, "RefreshState") else None) is not self.ext:
+        if (_backend.ext() is not None) != self.linked:
             return False  # the backend was switched: rebuild for the other path
         if self.generation != _watch.generation():
             return False
@@ -288,73 +246,69 @@ class ReplicaSet(LeafAccumulation):
         self.verified = verified
         return True
 
-    def copy_sources(self, sources: tuple[torch.Tensor, ...]) -> None:
-        """Copy the originals into replicas 1.. (called by Refresh.forward, under no_grad)."""
-        if self.state is not None:
-            self.state.copy(list(sources))
-        elif self.copy_rows:
-            comm.broadcast_into(list(sources), [self.tensors[j] for j in self.copy_rows])
+    def copy_sources(self) -> None:
+        """Copy the originals into the copy rows (no autograd): one broadcast per bucket."""
+        self.layout.refresh(self.sources, self.stats)
 
     def _graph_alive(self) -> bool:
-        """Torch path: whether the last step's graph may still need the current tensors."""
-        return self.token is not None and self.token.pending  # no extension: be conservative
+        """Whether the last step's graph may still need the current tensors."""
+        if not self.pending.value:
+            return False
+        if not self.linked:
+            return True  # no owner counts without the extension: be conservative
+        ext = _backend.ext()
+        return any(ext.grad_fn_use_count(t) > base for t, base in self.probes)
 
     def _renew(self) -> None:
-        """Fresh replica tensors (and, on the extension path, a fresh node)."""
+        """Fresh replica tensors (and, on the extension path, fresh nodes)."""
         self.tensors = self._new_tensors()
         if self.in_order:
             mark_static(self.tensors)
         self._assign()
-        if self.state is not None and self.any_grad:
-            self.state.link(self.sources)
+        if self.linked and self.any_grad:
+            self._link()
 
     def _renew_buffers(self) -> None:
         """Fresh buffer copies for replicas 1.. (the old ones stay with the pending graph)."""
         if not self.buffer_slots:
             return
         with torch.inference_mode(False):
-            self.buffer_copies = [[torch.empty_like(b, device=d) for b in self.buffers]
-                                  for d in self.devices[1:]]
+            self._new_buffer_copies()
         if self.in_order:
             mark_static(self.buffer_copies)
-        if self.buffer_state is not None:
-            self.buffer_state.tensors = [list(self.buffers)] + self.buffer_copies
         for j, i, key, k in self.buffer_slots:
             self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
 
     def _copy_buffers(self) -> None:
         if len(self.devices) > 1 and self.buffers:
-            if self.buffer_state is not None:
-                self.buffer_state.copy(self.buffers)
-            else:
-                with torch.no_grad():
-                    comm.broadcast_into(self.buffers, self.buffer_copies)
+            self.buffer_layout.refresh(self.buffers, self.stats)
+
+    def _count_buckets(self) -> None:
+        if self.stats is not None:
+            self.stats["buckets"] = len(self.layout.buckets) + (
+                len(self.buffer_layout.buckets) if len(self.devices) > 1 else 0)
 
     def refresh(self, no_sync: bool = False) -> list[Module]:
         """This step's replicas: tensors refreshed from the originals, autograd linked (on
         leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
+        self._count_buckets()
         if no_sync and self.any_grad and torch.is_grad_enabled():
             return self._refresh_no_sync()
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
-        alive = self.state.graph_alive() if self.state is not None else self._graph_alive()
-        if alive:  # a live graph may still need the copies' old values (BatchNorm saves buffers)
-            if self.state is None or self.copy_rows:
+        if self._graph_alive():  # a live graph may still need the copies' old values
+            if not self.linked or self.copy_rows:
                 self._renew()
             self._renew_buffers()
-        self.token = None
         if _watch.has_dirty():
             _watch.restore_dirty()
         self._copy_buffers()
-        if self.state is not None:  # the node made by link() serves every step
-            if self.copy_rows:  # aliases alone need no copy (nor the call's list conversion)
-                self.state.copy(self.sources)
-            if self.any_grad and torch.is_grad_enabled():
-                self.state.mark_step()
-            return self.replicas
+        self.copy_sources()
         if self.any_grad and torch.is_grad_enabled():
-            _apply_refresh(self, self.sources)
+            if self.linked:  # the nodes made by _link() serve every step
+                self.pending.value = True
+            else:
+                self._link(Pending(True))
         else:
-            with torch.no_grad():
-                self.copy_sources(tuple(self.sources))
+            self.pending.value = False
         return self.replicas

@@ -1,8 +1,10 @@
 """Collective copies with ``torch.nn.parallel.comm``'s signatures, for CUDA *and* CPU devices.
 
-Every function decides here, per call, whether the C++/CUDA extension serves the case or the torch
-path does; the results are identical either way. Devices are ints (CUDA ids, -1 for the CPU),
-strings or ``torch.device``. Outputs carry no autograd history (use ``fastdp._functions`` for that).
+``scatter``/``gather`` decide here, per call, whether the extension's fused kernels serve the case
+or the torch path does (identical results); ``broadcast_coalesced``/``reduce_add_coalesced`` are
+the replication engine's (``fastdp/engine.py``, ``fastdp/reducer.py``). Devices are ints (CUDA
+ids, -1 for the CPU), strings or ``torch.device``. Outputs carry no autograd history (use
+``fastdp._functions`` for that).
 """
 
 from __future__ import annotations
@@ -15,39 +17,15 @@ from typing import Any
 import torch
 from torch.nn.parallel import comm as _tcomm
 
-from fastdp import _backend
-from fastdp._devices import all_distinct_cuda, as_device
+from fastdp import _backend, engine
+from fastdp._devices import as_device
+from fastdp.reducer import reduce_add
 
-__all__ = ["broadcast_coalesced", "broadcast_into", "reduce_add_coalesced", "scatter", "gather",
-           "scatter_leaves"]
+__all__ = ["broadcast_coalesced", "reduce_add_coalesced", "scatter", "gather", "scatter_leaves"]
 
 _DEFAULT_BUFFER = 10485760
 
 
-def _dense(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(t.layout == torch.strided for t in tensors)
-
-
-def _coalesced_op(
-    name: str,
-    lists: Sequence[Sequence[torch.Tensor]],
-    devices: Sequence[torch.device],
-    reduce: bool = False,
-) -> Any:
-    """``fastdp._C.<name>`` when it serves this call, else None (torch path): the one decision.
-
-    Served: extension loaded and enabled, devices all CPU or all CUDA, every tensor strided with a
-    dtype the op handles (checked in C++, one call per list: no Python work per tensor).
-    """
-    ext = _backend.ext()
-    if ext is None or not hasattr(ext, name) or not hasattr(ext, "coalesced_supported"):
-        return None
-    if len({d.type for d in devices}) > 1:
-        return None
-    for tensors in lists:
-        if not ext.coalesced_supported(tensors, reduce):
-            return None
-    return getattr(ext, name)
 @functools.cache
 def _ext_has_cuda() -> bool:
     return _backend.build_info().get("built_with_cuda") == "1"
@@ -80,40 +58,22 @@ def broadcast_coalesced(
 ) -> list[list[torch.Tensor]]:
     """Copies of ``tensors`` on each of ``devices``; ``devices[0]`` must hold them.
 
-    ``result[0]`` are the input tensors themselves; the others are new tensors with their own
-    storage and version counters, bit-identical in value.
+    ``result[0]`` are the input tensors themselves; the others are new contiguous tensors on flat
+    buckets of at most ``buffer_size`` bytes (one broadcast per bucket: NOTE [ Buckets ] in
+    ``fastdp/engine.py``), each with its own version counter, bit-identical in value.
     """
     devs = [as_device(d) for d in devices]
     tensors = list(tensors)
-    op = _coalesced_op("broadcast_coalesced", [tensors], devs)
-    if op is not None:
-        return [list(r) for r in op(tensors, devs, buffer_size)]
-    if len(devs) > 1 and all_distinct_cuda(devs):
-        return _tcomm.broadcast_coalesced(tensors, [d.index for d in devs], buffer_size)
-    with torch.no_grad():
-        return [tensors] + [[t.to(d, copy=True) for t in tensors] for d in devs[1:]]
-
-
-def broadcast_into(
-    tensors: Sequence[torch.Tensor], outs: Sequence[Sequence[torch.Tensor]]
-) -> None:
-    """Copy ``tensors`` into each device's persistent ``outs[d]`` (same shapes and dtypes).
-
-    The persistent-replica refresh: one call per step for all tensors and devices; values are
-    bit-identical to the sources. Runs on the current streams; no autograd.
-    """
-    tensors = list(tensors)
-    if not tensors:
-        return
-    outs = [list(o) for o in outs]
-    devices = [tensors[0].device] + [o[0].device for o in outs if o]
-    op = _coalesced_op("broadcast_coalesced_into", [tensors], devices)
-    if op is not None:
-        op(tensors, outs)
-        return
-    with torch.no_grad():
-        for dests in outs:
-            torch._foreach_copy_(list(dests), tensors, non_blocking=True)
+    if not devs:
+        raise RuntimeError("Expected at least one device to broadcast to")
+    for t in tensors:
+        if t.device != devs[0]:
+            raise RuntimeError(
+                f"fastdp.comm.broadcast_coalesced: every tensor must be on devices[0] "
+                f"({devs[0]}), but one is on {t.device}")
+    layout = engine.Layout(tensors, devs, range(1, len(devs)), buffer_size)
+    layout.refresh(tensors, None)
+    return [tensors] + [list(layout.rows[j]) for j in range(1, len(devs))]
 
 
 def reduce_add_coalesced(
@@ -123,33 +83,21 @@ def reduce_add_coalesced(
 ) -> list[torch.Tensor]:
     """Position-wise sums over devices: ``result[i] = sum(inputs[d][i] for d)`` on ``destination``.
 
-    ``destination=None`` means the device of ``inputs[0]``. Summation runs in list order,
-    ``inputs[0] + inputs[1] + ...`` (bit-identical between the extension and the torch path; between
-    distinct GPUs NCCL's order, within float tolerance).
+    ``destination=None`` means the device of ``inputs[0]``. The one reduction of the package
+    (NOTE [ One reducer ] in ``fastdp/reducer.py``): buckets of at most ``buffer_size`` bytes,
+    summed in list order (between distinct GPUs in NCCL's order, within float tolerance).
     """
     inputs = [list(x) for x in inputs]
-    first = inputs[0]
-    if destination is None and not first:
+    if not inputs or not inputs[0]:
         return []
-    dest = first[0].device if destination is None else as_device(destination)
-    devs = [x[0].device for x in inputs if x]
-    if dest in devs:
-        op = _coalesced_op("reduce_add_coalesced", inputs, devs, reduce=True)
-        if op is not None:
-            return list(op(inputs, dest, buffer_size))
-    if len(devs) > 1 and all_distinct_cuda(devs) and dest.type == "cuda":
-        return _tcomm.reduce_add_coalesced(inputs, dest.index, buffer_size)
+    for x in inputs[1:]:
+        if len(x) != len(inputs[0]):
+            raise RuntimeError(
+                "fastdp.comm.reduce_add_coalesced: every device needs as many tensors "
+                f"({len(inputs[0])}), got {len(x)}")
+    dest = inputs[0][0].device if destination is None else as_device(destination)
     with torch.no_grad():
-        if all(g.device == dest for grads in inputs for g in grads):
-            out = list(torch._foreach_add(first, inputs[1])) if len(inputs) > 1 else \
-                [t.clone() for t in first]
-            for grads in inputs[2:]:
-                torch._foreach_add_(out, grads)
-            return out
-        out = [t.to(dest, copy=True) for t in first]
-        for grads in inputs[1:]:
-            torch._foreach_add_(out, [g.to(dest) for g in grads])
-    return out
+        return reduce_add(inputs, dest, buffer_size)
 
 
 def scatter(

@@ -18,7 +18,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _watch
+from fastdp import _watch, engine
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
 from fastdp._compiled import context_from_options, is_compiled, untraced_forward
@@ -42,6 +42,8 @@ from fastdp.scatter_gather import gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
+
+_ZERO_STATS = engine.new_stats()
 
 # The profiler's label of a step, as DataParallel's record_function; the C++ context manager
 # inductor uses costs ~0.5 us where record_function costs ~11 (it builds a Python object and
@@ -87,6 +89,9 @@ class FastDataParallel(DataParallel):
             ``"inline"`` (in turn on the caller's thread) or ``"auto"`` (measure both, keep the
             faster). Default ``FASTDP_LAUNCH``, else ``"auto"``; see NOTE [ Launch strategies ]
             in ``fastdp/_launch.py``. ``launch_report()`` shows what ``auto`` picked.
+        bucket_cap_mb: keyword-only; the size of the buckets replicas are refreshed and
+            gradients reduced in (DDP's default 25; the first bucket at most 1 MiB). See
+            NOTE [ Buckets ] in ``fastdp/engine.py``; ``comm_stats()`` counts the calls.
 
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
@@ -105,12 +110,17 @@ class FastDataParallel(DataParallel):
         balance: Sequence[float] | None = None,
         gather_output: bool = True,
         launch: str | None = None,
+        bucket_cap_mb: float = engine.DEFAULT_CAP_MB,
     ) -> None:
         Module.__init__(self)
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
         self.module = module
         self.dim = dim
         self.persistent = persistent
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"fastdp: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.bucket_cap_mb = bucket_cap_mb
+        self._comm = engine.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple[int, Any] | None = None
         self._verified: Any = None  # this step's passed _checked; see _check_device_cached
@@ -187,6 +197,7 @@ class FastDataParallel(DataParallel):
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
         with _record_function("FastDataParallel.forward"):
             self._step_ctx = ctx
+            self._comm.update(_ZERO_STATS)
             if self._pending_sets and not self._no_sync and torch.is_grad_enabled():
                 self._fold_pending()
             if not self.device_ids:
@@ -260,7 +271,15 @@ class FastDataParallel(DataParallel):
         pending = [p for p in (rs.take_pending() for rs in self._pending_sets.values()) if p]
         self._pending_sets = {}
         self.no_sync_stats["folds"] += 1
-        fold(pending)
+        fold(pending, self._comm)
+
+    def comm_stats(self) -> dict[str, int]:
+        """This step's replication traffic: ``buckets`` (the replica set's buckets, parameters
+        and buffers), ``broadcasts`` and ``reduces`` (one per bucket, whatever the number of
+        devices), ``bytes_broadcast``, ``bytes_reduced``. Zeroed when a forward starts, updated
+        as each call is issued (a backward hook sees the reduces so far). Persistent replicas
+        only (``persistent=False`` replicates with ``fastdp.comm`` and counts nothing)."""
+        return dict(self._comm)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile the module inside every replica with ``torch.compile``'s keyword options
@@ -327,7 +346,8 @@ class FastDataParallel(DataParallel):
         verified, self._verified = self._verified, None  # see NOTE [ One signature per step ]
         if rs is None or not rs.valid(verified):
             try:
-                rs = self._replica_sets[key] = ReplicaSet(module, devs, ctx)
+                rs = self._replica_sets[key] = ReplicaSet(
+                    module, devs, ctx, self.bucket_cap_mb * 2**20, self._comm)
             except NotCacheable:
                 return replicate(module, devs, not torch.is_grad_enabled())
         self._step_rs = rs

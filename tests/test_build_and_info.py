@@ -17,7 +17,7 @@ def test_info_has_the_documented_keys():
                 "backend"):
         assert key in d
     assert d["version"] == fastdp.__version__ and d["torch"] == torch.__version__
-    assert set(d["backend"]) >= {"plan", "scatter", "gather", "broadcast", "reduce"}
+    assert set(d["backend"]) >= {"plan", "scatter", "gather", "refresh", "reduce"}
 
 
 def test_extension_is_built_and_loaded():

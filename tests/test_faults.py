@@ -224,8 +224,9 @@ def test_deleting_wrapper_releases_threads_and_replicas():
 
 @pytest.mark.parametrize("finish", ["backward", "no_backward", "no_grad"])
 def test_parameters_freed_after_wrapper_deleted(finish):
-    """Regression: the C++ Refresh node owned its RefreshState, whose tensors had that node as
-    grad_fn, a C++ reference cycle: every wrapper leaked its model, replicas and gradients."""
+    """Regression: a refresh node that owned the replica tensors whose grad_fn it was formed a
+    C++ reference cycle: every wrapper leaked its model, replicas and gradients (the bucket
+    nodes' BucketLink holds no tensor for that reason)."""
     refs = []
     for _ in range(3):
         model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))

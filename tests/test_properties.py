@@ -13,11 +13,11 @@ Properties (each over CPU replica sets of 1-8 devices):
   same plan or raise the same ``ValueError`` with the same text, explicit ``chunk_sizes`` included.
 * ``test_backends_bit_identical``: the ``ext`` and ``torch`` backends give bit-identical scattered
   chunks, gathered outputs and gradients.
-* ``test_broadcast_coalesced_backends_bit_identical`` / ``test_reduce_add_coalesced_...``: for
-  random tensor lists (dtypes, layouts, empty tensors) on 1-4 CPU devices and bucket sizes from 1
-  byte: broadcast copies equal their sources bit for bit with storage of their own (device 0's
-  are the inputs), ``broadcast_into`` likewise; sums are in list order, inputs untouched, outputs
-  new; both backends bit-identical.
+* ``test_broadcast_coalesced_copies_bit_exact`` / ``test_reduce_add_coalesced_sums_in_list_order``:
+  the replication engine, for random tensor lists (dtypes, layouts, empty tensors) on 1-4 CPU
+  devices and bucket sizes from 1 byte: broadcast copies equal their sources bit for bit with
+  storage of their own (device 0's are the inputs), a refreshed ``engine.Layout`` likewise; sums
+  are in list order, inputs untouched, outputs new.
 
 Examples: ``FASTDP_HYPOTHESIS_EXAMPLES`` per property (default 2000), derandomized (a fixed seed per
 test), no example database. For a deeper run: ``FASTDP_HYPOTHESIS_EXAMPLES=50000 pytest
@@ -380,36 +380,28 @@ def _numeric(spec: TensorSpec) -> torch.Tensor:
     return t
 
 
-@pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 @PROPERTY
 @given(specs=_flat_specs_strategy(), n=st.integers(1, 4), buffer_size=st.integers(1, 4096))
-def test_broadcast_coalesced_backends_bit_identical(specs, n, buffer_size):
-    from fastdp import comm
+def test_broadcast_coalesced_copies_bit_exact(specs, n, buffer_size):
+    from fastdp import comm, engine
 
     tensors = [materialize(s, s.sizes[0], 0) for s in specs]
     devices = [torch.device("cpu")] * n
-    results = []
-    for use_ext in (True, False):
-        with _backend.use_extension(use_ext):
-            out = comm.broadcast_coalesced(tensors, devices, buffer_size)
-        assert len(out) == n
-        assert all(a is b for a, b in zip(out[0], tensors))  # device 0: the inputs themselves
-        for copies in out[1:]:
-            for c, t in zip(copies, tensors):
-                assert_same(c, t)
-                if c.numel():
-                    assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-        results.append(out)
-        into = [[torch.empty_like(t) for t in tensors] for _ in range(n - 1)]
-        with _backend.use_extension(use_ext):
-            comm.broadcast_into(tensors, into)
-        for copies in into:
-            for c, t in zip(copies, tensors):
-                assert_same(c, t)
-    assert_same(results[0], results[1])
+    out = comm.broadcast_coalesced(tensors, devices, buffer_size)
+    assert len(out) == n
+    assert all(a is b for a, b in zip(out[0], tensors))  # device 0: the inputs themselves
+    for copies in out[1:]:
+        for c, t in zip(copies, tensors):
+            assert_same(c, t)
+            if c.numel():
+                assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    layout = engine.Layout(tensors, devices, range(1, n), buffer_size)  # the step's refresh
+    layout.refresh(tensors, None)
+    for j in range(1, n):
+        for c, t in zip(layout.rows[j], tensors):
+            assert_same(c, t)
 
 
-@pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 @PROPERTY
 @given(specs=_flat_specs_strategy(), groups=st.integers(1, 4), buffer_size=st.integers(1, 4096),
        seed=st.integers(0, 2**31 - 1))
@@ -418,23 +410,18 @@ def test_broadcast_coalesced_backends_bit_identical(specs, n, buffer_size):
 @example(specs=[], groups=1, buffer_size=1, seed=0)
 @example(specs=[TensorSpec(1, (3, 0, 0, 0), torch.float32, "contiguous", 0)], groups=2,
          buffer_size=1, seed=0)
-def test_reduce_add_coalesced_backends_bit_identical(specs, groups, buffer_size, seed):
+def test_reduce_add_coalesced_sums_in_list_order(specs, groups, buffer_size, seed):
     from fastdp import comm
 
     inputs = [[_numeric(s._replace(seed=(s.seed + seed * (g + 1)) % 2**31)) for s in specs]
               for g in range(groups)]
-    outs = []
-    for use_ext in (True, False):
-        snapshot = [[t.clone() for t in grp] for grp in inputs]
-        with _backend.use_extension(use_ext):
-            out = comm.reduce_add_coalesced(inputs, None, buffer_size)
-        assert_same(inputs, snapshot, "inputs")  # not modified
-        assert len(out) == len(specs)
-        for r, t in zip(out, inputs[0]):
-            assert r is not t and (r.dtype, r.shape) == (t.dtype, t.shape)
-        outs.append(out)
-    assert_same(outs[0], outs[1], "sums")
-    for i, o in enumerate(outs[1]):  # summed in list order, as the contract says
+    snapshot = [[t.clone() for t in grp] for grp in inputs]
+    out = comm.reduce_add_coalesced(inputs, None, buffer_size)
+    assert_same(inputs, snapshot, "inputs")  # not modified
+    assert len(out) == len(specs)
+    for r, t in zip(out, inputs[0]):
+        assert r is not t and (r.dtype, r.shape) == (t.dtype, t.shape)
+    for i, o in enumerate(out):  # summed in list order, as the contract says
         ref = inputs[0][i].clone()
         for grp in inputs[1:]:
             ref = ref + grp[i]

@@ -159,11 +159,14 @@ def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str]
 
 def record_launch(recs: dict, calls: dict) -> None:
     """Each fastdp record gets its wrapper's strategy: forced, or what ``auto`` picked (with the
-    trial's medians) in ``launch_pick``."""
+    trial's medians) in ``launch_pick``; and the last timed step's ``comm_stats()`` (buckets,
+    broadcasts, reduces, bytes: NOTE [ Buckets ] in ``fastdp/engine.py``)."""
     for m, call in calls.items():
         launch = getattr(call, "launch", None)
         if launch is None or m not in recs:
             continue
+        if hasattr(call, "comm_stats"):
+            recs[m]["comm_stats"] = call.comm_stats()
         recs[m]["launch"] = launch
         if launch == "auto":
             recs[m]["launch_pick"] = call.launch_report()

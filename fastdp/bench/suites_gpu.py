@@ -11,6 +11,8 @@
 ``gpu-steps`` / ``multigpu-steps``   training steps: replicas sharing cuda:0 (``[0] * n``) or one
     per distinct GPU (``[0, 1, ..., k-1]``), every mode, inputs on cuda:0 and as a host batch
     (pageable and pinned; the bare module's step then includes its own copy to cuda:0).
+    ``multigpu-steps`` adds ``wide8`` (8 x Linear(4096, 4096) at the gpu profile: 134M
+    parameters) against ``nn.DataParallel``; every fastdp record carries ``comm_stats``.
 
 ``DRY_RUN = True`` (the hidden ``--gpu-dry-run`` flag) runs the same code on CPU devices, so a
 machine without a GPU can execute every line of these suites; its figures mean nothing.
@@ -222,6 +224,8 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
         combos = [(n, "cuda") for n in ("mlp1000", "resnet50", "transformer12", "lstm",
                                          "mlp10-dict16")]
         combos += [(n, w) for n in ("resnet50", "mlp10") for w in ("cpu-pageable", "cpu-pinned")]
+        if multi:  # wide8 at the gpu profile: 134M parameters, the refresh/reduce-bound case
+            combos.append(("wide8", "cuda"))
     sets = device_sets(multi, s.replicas)
     cache: dict[tuple, tuple] = {}
 

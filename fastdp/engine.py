@@ -1,0 +1,204 @@
+"""The replication engine: flat buckets, one broadcast per bucket, transports and counters.
+
+NOTE [ Buckets ]
+Tensors are grouped as DDP's ``Reducer`` groups them: per (dtype, device), in reverse
+registration order (the last layers, whose gradients are ready first, fill the first bucket),
+the first bucket of each dtype capped at ``min(1 MiB, cap)``, the others at ``cap`` (25 MiB by
+default, ``bucket_cap_mb=``). A replica that does not alias the originals (another device, or
+any CPU replica under ``FASTDP_CPU_DISTINCT=1``) holds each bucket as one flat tensor; its
+parameters and buffers are tensors on that flat's storage with version counters of their own.
+A refresh packs a bucket's originals into a staging flat on the source device (one multi-tensor
+copy) and broadcasts it into every such replica's flat (one transport call per bucket, whatever
+the number of devices). Tensors that cannot be flattened (sparse, quantized) form buckets of one.
+
+NOTE [ Transports ]
+Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
+own ``torch.cuda.comm.broadcast(out=)`` and ``torch.cuda.comm.reduce_add``, which issue one NCCL
+call (torch's cached communicators) when the flats sit on distinct GPUs and fall back to copies
+otherwise (repeated ids). Everything runs on the calling thread's current stream of each device:
+the caller's streams for a refresh (the replicas then run on the same streams, NOTE [ The
+caller's streams ]), the streams autograd gives the bucket's node for a reduce.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_CAP_MB", "FIRST_BUCKET_BYTES", "Layout", "assign_buckets", "cpu_distinct",
+           "new_stats", "transport_for"]
+
+DEFAULT_CAP_MB = 25.0
+FIRST_BUCKET_BYTES = 1024 * 1024
+STAT_KEYS = ("buckets", "broadcasts", "reduces", "bytes_broadcast", "bytes_reduced")
+
+
+def cpu_distinct() -> bool:
+    """``FASTDP_CPU_DISTINCT=1``: CPU replicas get storage of their own, as distinct GPUs do."""
+    return os.environ.get("FASTDP_CPU_DISTINCT", "0") == "1"
+
+
+def new_stats() -> dict[str, int]:
+    return dict.fromkeys(STAT_KEYS, 0)
+
+
+def count(stats: dict[str, int] | None, kind: str, nbytes: int) -> None:
+    """One broadcast or reduce of ``nbytes`` (once per bucket, whatever the number of devices)."""
+    if stats is not None:
+        stats[kind + "s"] += 1
+        stats["bytes_" + ("broadcast" if kind == "broadcast" else "reduced")] += nbytes
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def flattenable(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_quantized
+
+
+def assign_buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[list[int]]:
+    """Indices of ``tensors`` per bucket, in the order they are filled (NOTE [ Buckets ])."""
+    first_cap = min(FIRST_BUCKET_BYTES, cap_bytes)
+    done: list[list[int]] = []
+    open_: dict[Any, tuple[list[int], int]] = {}
+    started: set = set()
+    for i in reversed(range(len(tensors))):
+        t = tensors[i]
+        if not flattenable(t):
+            done.append([i])
+            continue
+        key = (t.dtype, t.device)
+        idx, size = open_.get(key, ([], 0))
+        idx.append(i)
+        size += nbytes(t)
+        limit = cap_bytes if key in started else first_cap
+        if size >= limit:
+            done.append(idx)
+            open_.pop(key, None)
+            started.add(key)
+        else:
+            open_[key] = (idx, size)
+    done.extend(idx for idx, _ in open_.values())
+    return done
+
+
+def _on_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """A contiguous tensor on ``flat``'s storage at ``offset`` elements, with a version counter
+    of its own (not an autograd view: replicas' tensors are independent, as DataParallel's)."""
+    with torch.no_grad():
+        t = torch.empty(0, dtype=flat.dtype, device=flat.device)
+        return t.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape)
+
+
+class _CpuTransport:
+    """Copies and in-order sums (also the CUDA transport's fallback for what NCCL cannot do)."""
+
+    name = "cpu"
+
+    @staticmethod
+    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        for d in dsts:
+            d.copy_(src)
+
+    @staticmethod
+    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
+        out = flats[0].to(dest, copy=True)
+        for f in flats[1:]:
+            out.add_(f.to(dest))
+        return out
+
+
+class _CudaTransport:
+    name = "cuda"
+
+    @staticmethod
+    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        if src.layout != torch.strided:
+            for d in dsts:
+                d.copy_(src, non_blocking=True)
+            return
+        torch.cuda.comm.broadcast(src, out=list(dsts))  # one NCCL broadcast where it can
+
+    @staticmethod
+    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
+        if dest.type != "cuda" or all(f.device != dest for f in flats) or any(
+                f.layout != torch.strided for f in flats):
+            return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
+        return torch.cuda.comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+
+
+def transport_for(devices: Sequence[torch.device]) -> Any:
+    return _CudaTransport if any(d.type == "cuda" for d in devices) else _CpuTransport
+
+
+class Layout:
+    """Persistent copies of ``tensors`` for the rows ``copy_rows`` of ``devices`` (row 0 is the
+    source device), grouped into buckets (NOTE [ Buckets ])."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], devices: Sequence[torch.device],
+                 copy_rows: Sequence[int], cap_bytes: float,
+                 buckets: list[list[int]] | None = None) -> None:
+        self.devices = list(devices)
+        self.copy_rows = list(copy_rows)
+        self.buckets = assign_buckets(tensors, cap_bytes) if buckets is None else buckets
+        self.transport = transport_for(self.devices)
+        self.shapes = [t.shape for t in tensors]
+        self.flat = [b_is_flat(tensors, b) for b in self.buckets]
+        self.numels = [[tensors[i].numel() for i in b] for b in self.buckets]
+        self.bytes = [sum(nbytes(tensors[i]) for i in b) for b in self.buckets]
+        with torch.inference_mode(False), torch.no_grad():
+            src = self.devices[0]
+            self.staging = [self._storage(tensors, b, k, src) for k, b in enumerate(self.buckets)]
+            self.staging_views = [self._views(s, tensors, b, k, alias=False)
+                                  for k, (s, b) in enumerate(zip(self.staging, self.buckets))]
+            self.flats: dict[int, list[torch.Tensor]] = {}
+            self.rows: dict[int, list[torch.Tensor | None]] = {}
+            for j in self.copy_rows:
+                flats = [self._storage(tensors, b, k, self.devices[j])
+                         for k, b in enumerate(self.buckets)]
+                row: list[torch.Tensor | None] = [None] * len(tensors)
+                for k, (f, b) in enumerate(zip(flats, self.buckets)):
+                    for i, t in zip(b, self._views(f, tensors, b, k, alias=True)):
+                        row[i] = t
+                self.flats[j], self.rows[j] = flats, row
+
+    def _storage(self, tensors: Sequence[torch.Tensor], b: list[int], k: int,
+                 device: torch.device) -> torch.Tensor:
+        if not self.flat[k]:
+            return torch.empty_like(tensors[b[0]], device=device)
+        return torch.empty(sum(self.numels[k]), dtype=tensors[b[0]].dtype, device=device)
+
+    def _views(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], b: list[int], k: int,
+               alias: bool) -> list[torch.Tensor]:
+        if not self.flat[k]:
+            return [flat]
+        out, offset = [], 0
+        for i, n in zip(b, self.numels[k]):
+            shape = self.shapes[i]
+            out.append(_on_storage(flat, offset, shape) if alias
+                       else flat[offset:offset + n].view(shape))
+            offset += n
+        return out
+
+    def refresh(self, tensors: Sequence[torch.Tensor], stats: dict[str, int] | None) -> None:
+        """Copy ``tensors`` (the originals, on the source device) into every copy row: per
+        bucket one pack and one broadcast. No autograd."""
+        if not self.copy_rows:
+            return
+        with torch.no_grad():
+            for k, b in enumerate(self.buckets):
+                if self.flat[k]:
+                    torch._foreach_copy_(self.staging_views[k], [tensors[i] for i in b])
+                else:
+                    self.staging[k].copy_(tensors[b[0]])
+                self.transport.broadcast(self.staging[k], [self.flats[j][k]
+                                                           for j in self.copy_rows])
+                count(stats, "broadcast", self.bytes[k])
+
+
+def b_is_flat(tensors: Sequence[torch.Tensor], b: list[int]) -> bool:
+    return all(flattenable(tensors[i]) for i in b)

@@ -1,0 +1,154 @@
+"""The one gradient reduction: ``reduce_add``, and the per-bucket autograd node that calls it.
+
+NOTE [ One reducer ]
+Every cross-replica sum of the package goes through ``reduce_add``: the persistent replicas'
+backward (one ``BucketReduce`` node per bucket), ``no_sync()``'s fold, and
+``fastdp.comm.reduce_add_coalesced`` (``persistent=False``'s ``Broadcast`` backward). Per bucket
+it packs each replica's gradients into one flat (one ``cat`` per replica), sums the flats that
+are already on the destination, reduces the rest with one transport call (NOTE [ Transports ] in
+``fastdp/engine.py``) and returns views of the sum. Under ``create_graph=True`` the sum is made
+of differentiable ops instead; sparse gradients are summed one by one; when every gradient is on
+the destination (CPU replicas, repeated GPU ids) one multi-tensor add per replica needs no pack.
+
+NOTE [ Early reduction ]
+Each bucket's node returns the replicas' tensors of that bucket and, in backward, their sum to
+the originals (so ``.grad``, hooks on the originals, ``autograd.grad`` and double backward see
+DataParallel's total). Autograd runs ready nodes highest sequence number first, and nodes made
+before the forward would wait for the whole backward; so each node gets the sequence number
+``AccumulateGrad`` has (the maximum) and runs as soon as every replica's gradients for its bucket
+exist, while earlier layers are still in backward: DDP's early bucket launch, in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from fastdp.engine import assign_buckets, count, flattenable, transport_for
+
+_MAX_SEQUENCE_NR = 2**64 - 1
+
+
+def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
+               cap_bytes: float = float("inf"), stats: dict[str, int] | None = None
+               ) -> list[torch.Tensor]:
+    """``result[k] = rows[0][k] + rows[1][k] + ...`` on ``dest`` (NOTE [ One reducer ]).
+
+    Rows are replicas, in order; each row lives on one device. Sums run in row order (the
+    transport's order between distinct GPUs). Results never alias an input.
+    """
+    first = rows[0]
+    if not first:
+        return []
+    if len(rows) == 1:
+        return [g.to(dest, copy=True) for g in first]
+    if torch.is_grad_enabled() and any(g.requires_grad for row in rows for g in row):
+        out = []
+        for k in range(len(first)):  # differentiable: create_graph=True
+            total = first[k].to(dest)
+            for row in rows[1:]:
+                total = total + row[k].to(dest)
+            out.append(total)
+        return out
+    with torch.no_grad():
+        if all(row[0].device == dest for row in rows) and _all_dense(rows):
+            out = list(torch._foreach_add(list(first), list(rows[1])))
+            for row in rows[2:]:
+                torch._foreach_add_(out, list(row))
+            count(stats, "reduce", _bytes(first))
+            return out
+        results: list[Any] = [None] * len(first)
+        for bucket in assign_buckets(first, cap_bytes):
+            sums = _reduce_bucket([[row[i] for i in bucket] for row in rows], dest)
+            for i, s in zip(bucket, sums):
+                results[i] = s
+            count(stats, "reduce", _bytes([first[i] for i in bucket]))
+        return results
+
+
+def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
+    if not all(flattenable(g) for row in rows for g in row):
+        out = []
+        for k in range(len(rows[0])):
+            total = rows[0][k].to(dest, copy=True)
+            for row in rows[1:]:
+                total = total + row[k].to(dest)
+            out.append(total)
+        return out
+    flats = [torch.cat([g.reshape(-1) for g in row]) for row in rows]
+    local = [f for f in flats if f.device == dest]
+    remote = [f for f in flats if f.device != dest]
+    total = local[0] if local else None
+    for f in local[1:]:
+        total = total + f
+    if remote:
+        parts = ([total] if total is not None else []) + remote
+        total = transport_for([dest]).reduce(parts, dest)
+    elif len(local) == 1:
+        total = total.clone()
+    return [piece.view(g.shape) for piece, g in
+            zip(total.split([g.numel() for g in rows[0]]), rows[0])]
+
+
+def _all_dense(rows: Sequence[Sequence[torch.Tensor]]) -> bool:
+    return all(g.layout == torch.strided for row in rows for g in row)
+
+
+def _bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Pending:
+    """Whether a step's graph still awaits its backward (see NOTE [ Persistent replicas ])."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bool = True) -> None:
+        self.value = value
+
+
+class BucketLink:
+    """What a bucket's node needs in backward; holds no replica set or tensor (no cycles)."""
+
+    __slots__ = ("n", "dest", "stats", "pending")
+
+    def __init__(self, n: int, dest: torch.device, stats: dict[str, int] | None,
+                 pending: Pending) -> None:
+        self.n, self.dest, self.stats, self.pending = n, dest, stats, pending
+
+
+class BucketReduce(Function):
+    """``BucketReduce.apply(link, rows, *sources)`` -> ``rows`` flattened row-major: the
+    persistent replica tensors themselves become outputs of this node (NOTE [ Early
+    reduction ]); backward sums them onto the sources with ``reduce_add``."""
+
+    @staticmethod
+    def forward(ctx, link, rows, *sources):
+        ctx.link = link
+        outs = [t for row in rows for t in row]
+        frozen = [row[k] for k in range(len(sources)) if not ctx.needs_input_grad[2 + k]
+                  for row in rows]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        link = ctx.link
+        link.pending.value = False
+        n = link.n
+        rows = [grads[j:j + n] for j in range(0, len(grads), n)]
+        return (None, None, *reduce_add(rows, link.dest, stats=link.stats))
+
+
+def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
+                sources: Sequence[torch.Tensor]) -> Any:
+    """Apply the bucket's node (grad mode on) and give it the earliest turn in backward."""
+    outs = BucketReduce.apply(link, rows, *sources)
+    node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
+    if node is not None and hasattr(node, "_set_sequence_nr"):
+        node._set_sequence_nr(_MAX_SEQUENCE_NR)
+    return node
