@@ -34,7 +34,7 @@ from fastdp._compiled import (
     mark_static,
     replicate_module,
 )
-from fastdp.reducer import BucketLink, Pending, link_bucket
+from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
 
 
 def tensor_signature(tensors: list[torch.Tensor]) -> Any:
@@ -94,6 +94,7 @@ class ReplicaSet(LeafAccumulation):
         self.linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
         self.pending = Pending(False)
         self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
+        self._bucket_rows: tuple = (None, [])  # (tensors, per bucket (rows, sources))
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
         self.in_order = False  # NOTE [ Compiled replicas run in order ]
         self.leaf_mode = False
@@ -101,6 +102,7 @@ class ReplicaSet(LeafAccumulation):
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self.tensors = self._new_tensors()
             self._new_buffer_copies()
+        self.group = BucketGroup([[self.sources[i] for i in b] for b in self.layout.buckets])
         self.replicas = self._build()
         if self.linked and self.any_grad:
             self._link()
@@ -130,11 +132,14 @@ class ReplicaSet(LeafAccumulation):
         """One ``BucketReduce`` node per bucket (grad mode on), outputs the persistent tensors."""
         self.pending = Pending(False) if pending is None else pending
         self.probes = []
+        if self._bucket_rows[0] is not self.tensors:  # per tensor set, not per step
+            self._bucket_rows = (self.tensors, [
+                ([[row[i] for i in b] for row in self.tensors], [self.sources[i] for i in b])
+                for b in self.layout.buckets])
         with torch.enable_grad(), torch.inference_mode(False):
-            for bucket in self.layout.buckets:
-                link = BucketLink(len(bucket), self.src_device, self.stats, self.pending)
-                link_bucket(link, [[row[i] for i in bucket] for row in self.tensors],
-                            [self.sources[i] for i in bucket])
+            for b, (rows, sources) in enumerate(self._bucket_rows[1]):
+                link_bucket(BucketLink(b, len(sources), self.src_device, self.stats,
+                                       self.pending, self.group), rows, sources)
         ext = _backend.ext()
         if self.linked and ext is not None:
             for bucket in self.layout.buckets:
@@ -292,6 +297,7 @@ class ReplicaSet(LeafAccumulation):
         """This step's replicas: tensors refreshed from the originals, autograd linked (on
         leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
         self._count_buckets()
+        self.group.reset()
         if no_sync and self.any_grad and torch.is_grad_enabled():
             return self._refresh_no_sync()
         if self.leaf_mode:

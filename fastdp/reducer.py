@@ -110,14 +110,54 @@ class Pending:
         self.value = value
 
 
+class BucketGroup:
+    """The buckets of one replica set within one backward.
+
+    NOTE [ Unreached buckets ]
+    A bucket none of whose tensors took part in the forward is not reached by autograd, where
+    DataParallel's single Broadcast node gives every parameter a gradient (zeros for unused
+    ones). So the first bucket node that runs in a backward that accumulates into ``.grad``
+    queues an engine callback: when the backward ends, sources of the buckets that did not run
+    get zeros where their ``.grad`` is None. ``autograd.grad`` passes accumulate nothing.
+    """
+
+    __slots__ = ("sources", "ran", "queued")
+
+    def __init__(self, sources: list[list[torch.Tensor]]) -> None:
+        self.sources, self.ran, self.queued = sources, set(), False
+
+    def reset(self) -> None:
+        if self.queued:
+            self.ran, self.queued = set(), False
+
+    def bucket_ran(self, b: int, node: Any) -> None:
+        self.ran.add(b)
+        if self.queued or len(self.sources) < 2:
+            return
+        self.queued = True
+        will_run = getattr(torch._C, "_will_engine_execute_node", None)
+        edges = [f for f, _ in node.next_functions if f is not None]
+        if will_run is not None and edges and will_run(edges[0]):
+            torch.autograd.Variable._execution_engine.queue_callback(self._zero_unreached)
+
+    def _zero_unreached(self) -> None:
+        ran, self.ran, self.queued = self.ran, set(), False
+        for b, sources in enumerate(self.sources):
+            if b not in ran:
+                for s in sources:
+                    if s.requires_grad and s.grad is None:
+                        s.grad = torch.zeros_like(s)
+
+
 class BucketLink:
-    """What a bucket's node needs in backward; holds no replica set or tensor (no cycles)."""
+    """What a bucket's node needs in backward; holds no replica tensor (no cycles)."""
 
-    __slots__ = ("n", "dest", "stats", "pending")
+    __slots__ = ("index", "n", "dest", "stats", "pending", "group")
 
-    def __init__(self, n: int, dest: torch.device, stats: dict[str, int] | None,
-                 pending: Pending) -> None:
-        self.n, self.dest, self.stats, self.pending = n, dest, stats, pending
+    def __init__(self, index: int, n: int, dest: torch.device, stats: dict[str, int] | None,
+                 pending: Pending, group: BucketGroup) -> None:
+        self.index, self.n, self.dest, self.stats = index, n, dest, stats
+        self.pending, self.group = pending, group
 
 
 class BucketReduce(Function):
@@ -139,6 +179,7 @@ class BucketReduce(Function):
     def backward(ctx, *grads):
         link = ctx.link
         link.pending.value = False
+        link.group.bucket_ran(link.index, ctx)
         n = link.n
         rows = [grads[j:j + n] for j in range(0, len(grads), n)]
         return (None, None, *reduce_add(rows, link.dest, stats=link.stats))

@@ -318,3 +318,28 @@ def test_two_gpu_buckets_reduce_before_backward_ends():
         lambda m, g: seen.append(fdp.comm_stats()["reduces"]))
     fdp(torch.randn(8, 256, device="cuda:0")).sum().backward()
     assert seen and min(seen) >= 1
+
+
+class _UnusedFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(256, 256)  # registered first: the last bucket, alone
+        self.a = nn.Linear(256, 256)
+        self.b = nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("mode", ["distinct", "alias"])
+def test_a_bucket_of_unused_parameters_gets_zeros_as_in_dataparallel(monkeypatch, backend, mode):
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if mode == "distinct" else "0")
+    model = _UnusedFirst()
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 2, bucket_cap_mb=0.2)
+    fdp(torch.randn(4, 256)).sum().backward()
+    assert fdp.comm_stats()["buckets"] == 3 and fdp.comm_stats()["reduces"] == 2
+    assert torch.equal(model.unused.weight.grad, torch.zeros(256, 256))
+    assert model.a.weight.grad is not None
+    model.zero_grad()
+    torch.autograd.grad(fdp(torch.randn(4, 256)).sum(), [model.a.weight])
+    assert model.unused.weight.grad is None and model.a.weight.grad is None  # nothing accumulated
