@@ -138,8 +138,8 @@ class ReplicaSet(LeafAccumulation):
                 for b in self.layout.buckets])
         with torch.enable_grad(), torch.inference_mode(False):
             for b, (rows, sources) in enumerate(self._bucket_rows[1]):
-                link_bucket(BucketLink(b, len(sources), self.src_device, self.stats,
-                                       self.pending, self.group), rows, sources)
+                link_bucket(BucketLink(b, sources, self.src_device, self.stats, self.pending,
+                                       self.group), rows, sources)
         ext = _backend.ext()
         if self.linked and ext is not None:
             for bucket in self.layout.buckets:

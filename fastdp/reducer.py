@@ -27,18 +27,19 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from fastdp.engine import assign_buckets, count, flattenable, transport_for
+from fastdp.engine import assign_buckets, count, transport_for
 
 _MAX_SEQUENCE_NR = 2**64 - 1
 
 
 def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
-               cap_bytes: float = float("inf"), stats: dict[str, int] | None = None
-               ) -> list[torch.Tensor]:
+               cap_bytes: float = float("inf"), stats: dict[str, int] | None = None,
+               nbytes: int | None = None) -> list[torch.Tensor]:
     """``result[k] = rows[0][k] + rows[1][k] + ...`` on ``dest`` (NOTE [ One reducer ]).
 
     Rows are replicas, in order; each row lives on one device. Sums run in row order (the
-    transport's order between distinct GPUs). Results never alias an input.
+    transport's order between distinct GPUs). Results never alias an input. ``nbytes``: the
+    rows' size when the caller knows it (one bucket), for ``stats``.
     """
     first = rows[0]
     if not first:
@@ -54,23 +55,25 @@ def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
             out.append(total)
         return out
     with torch.no_grad():
-        if all(row[0].device == dest for row in rows) and _all_dense(rows):
+        if all(row[0].device == dest for row in rows):  # foreach's slow path takes sparse too
             out = list(torch._foreach_add(list(first), list(rows[1])))
             for row in rows[2:]:
                 torch._foreach_add_(out, list(row))
-            count(stats, "reduce", _bytes(first))
+            if stats is not None:
+                count(stats, "reduce", _bytes(first) if nbytes is None else nbytes)
             return out
         results: list[Any] = [None] * len(first)
         for bucket in assign_buckets(first, cap_bytes):
             sums = _reduce_bucket([[row[i] for i in bucket] for row in rows], dest)
             for i, s in zip(bucket, sums):
                 results[i] = s
-            count(stats, "reduce", _bytes([first[i] for i in bucket]))
+            if stats is not None:
+                count(stats, "reduce", _bytes([first[i] for i in bucket]))
         return results
 
 
 def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
-    if not all(flattenable(g) for row in rows for g in row):
+    if {g.layout for row in rows for g in row} != {torch.strided}:  # one call, not one per g
         out = []
         for k in range(len(rows[0])):
             total = rows[0][k].to(dest, copy=True)
@@ -93,12 +96,8 @@ def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[t
             zip(total.split([g.numel() for g in rows[0]]), rows[0])]
 
 
-def _all_dense(rows: Sequence[Sequence[torch.Tensor]]) -> bool:
-    return all(g.layout == torch.strided for row in rows for g in row)
-
-
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum([t.numel() * t.element_size() for t in tensors])
 
 
 class Pending:
@@ -152,12 +151,12 @@ class BucketGroup:
 class BucketLink:
     """What a bucket's node needs in backward; holds no replica tensor (no cycles)."""
 
-    __slots__ = ("index", "n", "dest", "stats", "pending", "group")
+    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group")
 
-    def __init__(self, index: int, n: int, dest: torch.device, stats: dict[str, int] | None,
-                 pending: Pending, group: BucketGroup) -> None:
-        self.index, self.n, self.dest, self.stats = index, n, dest, stats
-        self.pending, self.group = pending, group
+    def __init__(self, index: int, sources: Sequence[torch.Tensor], dest: torch.device,
+                 stats: dict[str, int] | None, pending: Pending, group: BucketGroup) -> None:
+        self.index, self.n, self.nbytes = index, len(sources), _bytes(sources)
+        self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
 
 
 class BucketReduce(Function):
@@ -182,7 +181,7 @@ class BucketReduce(Function):
         link.group.bucket_ran(link.index, ctx)
         n = link.n
         rows = [grads[j:j + n] for j in range(0, len(grads), n)]
-        return (None, None, *reduce_add(rows, link.dest, stats=link.stats))
+        return (None, None, *reduce_add(rows, link.dest, stats=link.stats, nbytes=link.nbytes))
 
 
 def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
