@@ -343,3 +343,22 @@ def test_a_bucket_of_unused_parameters_gets_zeros_as_in_dataparallel(monkeypatch
     model.zero_grad()
     torch.autograd.grad(fdp(torch.randn(4, 256)).sum(), [model.a.weight])
     assert model.unused.weight.grad is None and model.a.weight.grad is None  # nothing accumulated
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_copy_rows_on_one_gpu_match_the_plain_module(monkeypatch):
+    """The CUDA transport's copy fallback (flats on the source GPU: NCCL needs distinct ones)."""
+    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)
+    torch.manual_seed(0)
+    model = _mlp(4).cuda()
+    ref = copy.deepcopy(model)
+    fdp = FastDataParallel(model, device_ids=[0, 0, 0], bucket_cap_mb=0.001)
+    x = torch.randn(9, 32, device="cuda")
+    out = fdp(x)
+    want = torch.cat([ref(c) for c in x.chunk(3)])
+    assert_close(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad)
+    assert fdp.comm_stats()["broadcasts"] == fdp.comm_stats()["buckets"] > 1
