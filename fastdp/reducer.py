@@ -47,13 +47,7 @@ def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
     if len(rows) == 1:
         return [g.to(dest, copy=True) for g in first]
     if torch.is_grad_enabled() and any(g.requires_grad for row in rows for g in row):
-        out = []
-        for k in range(len(first)):  # differentiable: create_graph=True
-            total = first[k].to(dest)
-            for row in rows[1:]:
-                total = total + row[k].to(dest)
-            out.append(total)
-        return out
+        return _sum_each(rows, dest)  # differentiable: create_graph=True
     with torch.no_grad():
         if all(row[0].device == dest for row in rows):  # foreach's slow path takes sparse too
             out = list(torch._foreach_add(list(first), list(rows[1])))
@@ -72,26 +66,31 @@ def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
         return results
 
 
+def _sum_each(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
+    """Tensor by tensor, in row order: differentiable ops, and what cannot be flattened."""
+    out = []
+    for k in range(len(rows[0])):
+        total = rows[0][k].to(dest, copy=True)
+        for row in rows[1:]:
+            total = total + row[k].to(dest)
+        out.append(total)
+    return out
+
+
 def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
+    """One bucket whose rows are not all on ``dest``: one flatten per row, the rows on ``dest``
+    summed there, then one transport reduce of that sum and the other rows' flats."""
     if {g.layout for row in rows for g in row} != {torch.strided}:  # one call, not one per g
-        out = []
-        for k in range(len(rows[0])):
-            total = rows[0][k].to(dest, copy=True)
-            for row in rows[1:]:
-                total = total + row[k].to(dest)
-            out.append(total)
-        return out
+        return _sum_each(rows, dest)
     flats = [torch.cat([g.reshape(-1) for g in row]) for row in rows]
     local = [f for f in flats if f.device == dest]
-    remote = [f for f in flats if f.device != dest]
-    total = local[0] if local else None
-    for f in local[1:]:
-        total = total + f
-    if remote:
-        parts = ([total] if total is not None else []) + remote
-        total = transport_for([dest]).reduce(parts, dest)
-    elif len(local) == 1:
-        total = total.clone()
+    parts = [f for f in flats if f.device != dest]
+    if local:
+        total = local[0]
+        for f in local[1:]:
+            total = total + f
+        parts.insert(0, total)
+    total = transport_for([dest]).reduce(parts, dest)
     return [piece.view(g.shape) for piece, g in
             zip(total.split([g.numel() for g in rows[0]]), rows[0])]
 
