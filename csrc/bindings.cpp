@@ -6,7 +6,6 @@
 
 #include "build_info.h"
 #include "gather.h"
-#include "planner.h"
 #include "scatter.h"
 #include "signature.h"
 #include "transfer.h"
@@ -18,18 +17,6 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("build_info", &fastdp::build_info,
         "What the extension was built with: list of (key, value) string pairs.");
-
-  m.def(
-      "plan_chunks",
-      [](const std::vector<int64_t>& leaf_sizes, int64_t num_devices,
-         std::optional<std::vector<int64_t>> chunk_sizes) {
-        py::gil_scoped_release no_gil;
-        return fastdp::plan_chunks(leaf_sizes, num_devices,
-                                   chunk_sizes ? &*chunk_sizes : nullptr);
-      },
-      py::arg("leaf_sizes"), py::arg("num_devices"), py::arg("chunk_sizes") = py::none(),
-      "Chunk sizes per leaf (torch.chunk semantics, or the explicit chunk_sizes validated against "
-      "every leaf). Raises ValueError when leaves split into different numbers of chunks.");
 
   m.def(
       "tensor_signature",

@@ -10,7 +10,6 @@ from fastdp import _backend
 from fastdp._version import __version__
 
 _STAGES = {
-    "plan": "plan_chunks",
     "scatter": "scatter_chunks",
     "gather": "gather_into",
 }
@@ -38,7 +37,8 @@ def info() -> dict[str, Any]:
         stage: ("extension" if ext is not None and hasattr(ext, fn) else "torch")
         for stage, fn in _STAGES.items()
     }
-    backend.update(refresh=_ENGINE, reduce=_ENGINE)
+    backend.update(plan="python (torch.chunk sizes; NOTE [ DataParallel's chunking ])",
+                   refresh=_ENGINE, reduce=_ENGINE)
     return {
         "version": __version__,
         "torch": torch.__version__,

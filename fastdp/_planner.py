@@ -1,20 +1,23 @@
-"""The scatter planner: chunk sizes for every input leaf of a forward.
+"""The scatter planner: chunk sizes for every input leaf of a forward, DataParallel's rules.
 
-The C++ planner (``fastdp._C.plan_chunks``) and this Python fallback implement one contract and
-are tested against each other: per leaf ``torch.chunk`` sizes (``split = ceil(size / n)``; ``n``
-chunks of 0 for an empty leaf), all leaves yielding the same number of chunks or a ValueError; with
-explicit ``chunk_sizes`` (one per device, non-negative) every leaf must have size
-``sum(chunk_sizes)``.
+NOTE [ DataParallel's chunking ]
+Each tensor leaf is chunked as ``torch.chunk`` chunks it (``split = ceil(size / n)``, so a leaf
+may yield fewer than ``n`` chunks; ``n`` chunks of 0 for an empty leaf). As DataParallel's
+``scatter`` ``zip``s its containers, the step runs as many replicas as the leaf with the fewest
+chunks has: the other leaves' extra chunks (their last rows) are dropped. HF Trainer relies on it
+(``num_items_in_batch`` has one row per GPU, so a partial last batch drops its spare rows). The
+wrapper warns once naming the dropped leaves, or raises with ``strict_chunks=True``. With explicit
+``chunk_sizes`` (one per device) leaves of size ``sum(chunk_sizes)`` take them; others are chunked
+by ``torch.chunk`` over as many devices and truncated the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fastdp import _backend
-
 
 def chunk_sizes_for(size: int, num_devices: int) -> list[int]:
+    """``torch.chunk``'s sizes for one leaf of ``size`` rows over ``num_devices``."""
     if num_devices <= 0:
         raise ValueError(f"fastdp.plan_chunks: need at least one device, got {num_devices}")
     if size < 0:
@@ -25,9 +28,11 @@ def chunk_sizes_for(size: int, num_devices: int) -> list[int]:
     return [min(split, size - off) for off in range(0, size, split)]
 
 
-def plan_chunks_py(
+def plan_chunks(
     leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None = None
 ) -> list[list[int]]:
+    """Chunk sizes per leaf (NOTE [ DataParallel's chunking ]): all of one length, the fewest
+    chunks any leaf has; ``dropped(leaf_sizes, plan)`` says which leaves lose rows."""
     if chunk_sizes is not None:
         if len(chunk_sizes) != num_devices:
             raise ValueError(
@@ -38,33 +43,16 @@ def plan_chunks_py(
             if c < 0:
                 raise ValueError(f"fastdp: chunk_sizes must be non-negative, got {c}")
         total = sum(chunk_sizes)
-        for i, s in enumerate(leaf_sizes):
-            if s != total:
-                raise ValueError(
-                    f"fastdp: chunk_sizes sum to {total} but input tensor {i} has batch size {s} "
-                    "along the scatter dim"
-                )
-        return [list(chunk_sizes) for _ in leaf_sizes]
-    plan: list[list[int]] = []
-    for i, s in enumerate(leaf_sizes):  # leaf by leaf, so errors come in the C++ planner's order
-        p = chunk_sizes_for(s, num_devices)
-        plan.append(p)
-        if len(p) != len(plan[0]):
-            raise ValueError(
-                f"fastdp: input tensors split into different numbers of chunks: tensor 0 (size "
-                f"{leaf_sizes[0]}) into {len(plan[0])}, tensor {i} (size {leaf_sizes[i]}) into "
-                f"{len(p)} on {num_devices} devices. DataParallel would silently drop rows; give "
-                "every tensor a batch size that splits into the same number of chunks, or pass "
-                "non-batched data as a non-tensor"
-            )
+        plan = [list(chunk_sizes) if s == total else chunk_sizes_for(s, num_devices)
+                for s in leaf_sizes]
+    else:
+        plan = [chunk_sizes_for(s, num_devices) for s in leaf_sizes]
+    if plan:
+        k = min(len(p) for p in plan)
+        plan = [p if len(p) == k else p[:k] for p in plan]
     return plan
 
 
-def plan_chunks(
-    leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None = None
-) -> list[list[int]]:
-    ext = _backend.ext()
-    if ext is not None:
-        return ext.plan_chunks(list(leaf_sizes), num_devices,
-                               None if chunk_sizes is None else list(chunk_sizes))
-    return plan_chunks_py(leaf_sizes, num_devices, chunk_sizes)
+def dropped(leaf_sizes: Sequence[int], plan: Sequence[Sequence[int]]) -> list[int]:
+    """Indices of the leaves whose planned chunks do not cover all their rows."""
+    return [i for i, (s, p) in enumerate(zip(leaf_sizes, plan)) if sum(p) != s]

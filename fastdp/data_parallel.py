@@ -92,6 +92,14 @@ class FastDataParallel(DataParallel):
         bucket_cap_mb: keyword-only; the size of the buckets replicas are refreshed and
             gradients reduced in (DDP's default 25; the first bucket at most 1 MiB). See
             NOTE [ Buckets ] in ``fastdp/engine.py``; ``comm_stats()`` counts the calls.
+        strict_chunks: keyword-only; input tensors that split into more chunks than others lose
+            their extra rows, as in DataParallel, with one warning per wrapper naming them; True
+            raises ``ValueError`` instead (NOTE [ DataParallel's chunking ]).
+        scalar_outputs: keyword-only; how 0-dim outputs (a loss per replica) are gathered:
+            ``"stack"`` (DataParallel's vector and warning), ``"mean"`` (one 0-dim value, the
+            replicas' values weighted by their rows: the whole-batch mean of a per-sample mean
+            loss, so a later ``.mean()`` changes nothing) or ``"sum"`` (for losses already
+            normalised by a global count, as HF Trainer's ``num_items_in_batch`` losses are).
 
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
@@ -111,6 +119,8 @@ class FastDataParallel(DataParallel):
         gather_output: bool = True,
         launch: str | None = None,
         bucket_cap_mb: float = engine.DEFAULT_CAP_MB,
+        strict_chunks: bool = False,
+        scalar_outputs: str = "stack",
     ) -> None:
         Module.__init__(self)
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
@@ -120,6 +130,12 @@ class FastDataParallel(DataParallel):
         if not bucket_cap_mb > 0:
             raise ValueError(f"fastdp: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.bucket_cap_mb = bucket_cap_mb
+        if scalar_outputs not in ("stack", "mean", "sum"):
+            raise ValueError(
+                f"fastdp: scalar_outputs must be 'stack', 'mean' or 'sum', got {scalar_outputs!r}")
+        self.scalar_outputs = scalar_outputs
+        self.strict_chunks = strict_chunks
+        self._drop_warned = False
         self._comm = engine.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple[int, Any] | None = None
@@ -181,7 +197,8 @@ class FastDataParallel(DataParallel):
     # The attributes a step writes hold plain values (never a Parameter, buffer or Module), so
     # they skip nn.Module.__setattr__ and the mutation watcher around it (fastdp/_watch.py): that
     # path cost ~0.09 ms a step for these few writes.
-    _STEP_ATTRS = frozenset({"_step_ctx", "_verified", "_step_rs", "last_launch"})
+    _STEP_ATTRS = frozenset({"_step_ctx", "_verified", "_step_rs", "last_launch",
+                             "_drop_warned"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FastDataParallel._STEP_ATTRS:
@@ -237,7 +254,10 @@ class FastDataParallel(DataParallel):
             if not self.gather_output:  # [beyond DP]
                 return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
                                  devices[: len(outputs)], self.dim, self._output)
-            return self.gather(outputs, self.output_device)
+            if self.scalar_outputs == "stack":
+                return self.gather(outputs, self.output_device)
+            rows = [_rows(i, k, self.dim) for i, k in zip(inputs, module_kwargs)]
+            return self.gather(outputs, self.output_device, weights=rows)
 
     def _module_for(self, ctx: Any) -> Module:
         """The module to call directly (no replicas), compiled with the wrapper's ``ctx``."""
@@ -361,7 +381,16 @@ class FastDataParallel(DataParallel):
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
                 device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:
         return scatter_kwargs(inputs, kwargs, _devs(device_ids, self), dim=self.dim,
-                              chunk_sizes=chunk_sizes)
+                              chunk_sizes=chunk_sizes, on_drop=self._rows_dropped)
+
+    def _rows_dropped(self, message: str) -> None:
+        """NOTE [ DataParallel's chunking ]: one warning per wrapper, or an error."""
+        if self.strict_chunks:
+            raise ValueError(message.replace(" Pass strict_chunks=True to make this an error.",
+                                             " (strict_chunks=True)"))
+        if not self._drop_warned:
+            self._drop_warned = True
+            warnings.warn(message, UserWarning, stacklevel=6)
 
     def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
                        kwargs: Any, devices: Sequence[Any] | None = None, *,
@@ -410,8 +439,12 @@ class FastDataParallel(DataParallel):
         strategy."""
         return self._auto.report()
 
-    def gather(self, outputs: Any, output_device: Any) -> Any:
-        return gather(outputs, _dev(output_device, self), dim=self.dim)
+    def gather(self, outputs: Any, output_device: Any, *,
+               weights: Sequence[int] | None = None) -> Any:
+        """DataParallel's ``gather``; 0-dim outputs as ``scalar_outputs`` says (``weights``:
+        each replica's rows, for ``"mean"``)."""
+        return gather(outputs, _dev(output_device, self), dim=self.dim,
+                      scalars=self.scalar_outputs, weights=weights)
 
 
 class _Call:
@@ -431,6 +464,20 @@ class _Call:
 def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:
     """torch.chunk sizes of the first input leaf (the planner's plan for it)."""
     return None if batch is None else chunk_sizes_for(batch, num_devices)[:n]
+
+
+def _rows(inputs: Any, kwargs: Any, dim: int) -> int:
+    """A replica's rows: the size along ``dim`` of its first tensor input (1 without one)."""
+    stack = [inputs, kwargs]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            return x.size(dim) if x.dim() else 1
+        if isinstance(x, (tuple, list)):
+            stack[:0] = list(x)
+        elif isinstance(x, dict):
+            stack[:0] = list(x.values())
+    return 1
 
 
 def _devs(ids: Sequence[Any], owner: FastDataParallel) -> list[torch.device]:

@@ -2,10 +2,12 @@
 
 Containers follow DataParallel: tensors are chunked along ``dim``; non-empty tuples, lists, dicts
 (and subclasses rebuilt with ``type(obj)``) and namedtuples are recursed into; anything else is
-passed by reference to every replica. Differences (DESIGN §2): all tensor leaves of positional
-*and* keyword inputs are planned together, so small batches with kwargs are right and leaves that
-split into different numbers of chunks raise ValueError; dataclass outputs are gathered field-wise
-and outputs that are not tensors or containers come back as a per-replica list.
+passed by reference to every replica. Leaves that split into more chunks than others lose their
+extra chunks, as DataParallel's ``zip`` drops them (NOTE [ DataParallel's chunking ] in
+``fastdp/_planner.py``). Differences: tensor leaves of positional *and* keyword inputs are
+planned together (DataParallel gives replicas without their positional inputs when kwargs hold
+non-tensors and the batch is small: pytorch #31460, #52260); dataclass outputs are gathered
+field-wise and outputs that are not tensors or containers come back as a per-replica list.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from fastdp._devices import as_device
 from fastdp._functions import Gather, Scatter, vector_if_scalars
-from fastdp._planner import chunk_sizes_for, plan_chunks
+from fastdp._planner import chunk_sizes_for, dropped, plan_chunks
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
@@ -67,8 +70,13 @@ def scatter_plan(
     devices: Sequence[torch.device],
     dim: int = 0,
     chunk_sizes: Sequence[int] | None = None,
+    on_drop: OnDrop | None = None,
+    with_kwargs: bool = False,
 ) -> tuple[tuple, list[torch.Tensor], list[int], list[list[int]]]:
-    """Flatten ``obj`` once and plan its chunks: (spec, leaves, per-leaf dims, plan)."""
+    """Flatten ``obj`` once and plan its chunks: (spec, leaves, per-leaf dims, plan). Leaves
+    that lose rows are narrowed to the rows that go to replicas, and ``on_drop`` (default: a
+    warning) hears which (NOTE [ DataParallel's chunking ])."""
+    on_drop = on_drop or warn_dropped
     leaves: list[torch.Tensor] = []
     spec = _flatten(obj, leaves)
     dims = []
@@ -81,8 +89,63 @@ def scatter_plan(
                 f"Dimension out of range (expected to be in range of [{-t.dim()}, {t.dim() - 1}], "
                 f"but got {dim})"
             )
-    plan = plan_chunks([t.size(d) for t, d in zip(leaves, dims)], len(devices), chunk_sizes)
+    sizes = [t.size(d) for t, d in zip(leaves, dims)]
+    plan = plan_chunks(sizes, len(devices), chunk_sizes)
+    lost = dropped(sizes, plan)
+    if lost:
+        _narrow(leaves, dims, plan, lost)
+        on_drop(_drop_message(spec, sizes, plan, lost, with_kwargs))
     return spec, leaves, dims, plan
+
+
+OnDrop = Callable[[str], None]
+
+
+def warn_dropped(message: str) -> None:
+    """The default for rows dropped as DataParallel drops them: a ``UserWarning``."""
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _narrow(leaves: list, dims: list[int], plan: list[list[int]], lost: list[int]) -> None:
+    for i in lost:  # the rows that go to replicas (views: the rest get no gradient)
+        leaves[i] = leaves[i].narrow(dims[i], 0, sum(plan[i]))
+
+
+def _paths(spec: tuple, prefix: str, out: dict[int, str]) -> None:
+    kind = spec[0]
+    if kind == "t":
+        out[spec[1]] = prefix
+    elif kind in ("tu", "li"):
+        for k, s in enumerate(spec[1]):
+            _paths(s, f"{prefix}[{k}]", out)
+    elif kind == "nt":
+        for name, s in zip(spec[1]._fields, spec[2]):
+            _paths(s, f"{prefix}.{name}", out)
+    elif kind == "di":
+        for key, s in zip(spec[2], spec[3]):
+            _paths(s, f"{prefix}[{key!r}]", out)
+
+
+def leaf_paths(spec: tuple, with_kwargs: bool) -> dict[int, str]:
+    """Leaf index -> a readable path: ``inputs[0]``; with ``with_kwargs`` the spec is of an
+    ``(inputs, kwargs)`` pair and its leaves read ``inputs[0]``, ``kwargs['num_items']``."""
+    out: dict[int, str] = {}
+    if with_kwargs:
+        _paths(spec[1][0], "inputs", out)
+        _paths(spec[1][1], "kwargs", out)
+    else:
+        _paths(spec, "inputs", out)
+    return out
+
+
+def _drop_message(spec: tuple, sizes: list[int], plan: list[list[int]], lost: list[int],
+                  with_kwargs: bool = False) -> str:
+    names = leaf_paths(spec, with_kwargs)
+    what = ", ".join(f"{names.get(i, f'tensor {i}')} ({sizes[i]} rows, {sum(plan[i])} used)"
+                     for i in lost)
+    return (f"fastdp: input tensors split into different numbers of chunks; as nn.DataParallel "
+            f"does, {len(plan[0])} replica(s) run (the fewest chunks of any tensor) and the "
+            f"extra rows of {what} are dropped. Pass strict_chunks=True to make this an error.")
 
 
 # NOTE [ Same-device scatter and gather ]
@@ -104,7 +167,7 @@ def _one_device(tensors: Sequence[Any], devices: Sequence[torch.device]) -> bool
 
 
 def _split_tensors(inputs: tuple, devices: Sequence[torch.device], dim: int,
-                   chunk_sizes: Sequence[int] | None) -> Any:
+                   chunk_sizes: Sequence[int] | None, on_drop: OnDrop | None) -> Any:
     """``scatter_kwargs`` of positional tensors (no kwargs) on the replicas' one device; None
     where a leaf needs the general path's error (0-dim, ``dim`` out of range)."""
     dims = []
@@ -117,7 +180,14 @@ def _split_tensors(inputs: tuple, devices: Sequence[torch.device], dim: int,
     if chunk_sizes is None and len(inputs) == 1:  # the commonest call: one batch tensor
         plan = [_chunk_sizes(inputs[0].size(dims[0]), len(devices))]
     else:
-        plan = plan_chunks([t.size(d) for t, d in zip(inputs, dims)], len(devices), chunk_sizes)
+        sizes = [t.size(d) for t, d in zip(inputs, dims)]
+        plan = plan_chunks(sizes, len(devices), chunk_sizes)
+        lost = dropped(sizes, plan)
+        if lost:
+            inputs = list(inputs)
+            _narrow(inputs, dims, plan, lost)
+            spec = ("tu", [("t", i) for i in range(len(inputs))])
+            (on_drop or warn_dropped)(_drop_message(spec, sizes, plan, lost))
     chunks = [t.split_with_sizes(p, d) for t, p, d in zip(inputs, plan, dims)]
     k = len(plan[0])
     return tuple(tuple(c[r] for c in chunks) for r in range(k)), ({},) * k
@@ -144,19 +214,21 @@ def scatter_kwargs(
     target_devices: Sequence[torch.device],
     dim: int = 0,
     chunk_sizes: Sequence[int] | None = None,
+    on_drop: OnDrop | None = None,
 ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
     """Scatter positional and keyword inputs together; one replica per chunk.
 
-    Returns ``(inputs_per_replica, kwargs_per_replica)`` of equal length: the number of chunks of
-    the tensor leaves, or ``len(target_devices)`` when there are none (inputs passed by reference).
+    Returns ``(inputs_per_replica, kwargs_per_replica)`` of equal length: the fewest chunks of
+    any tensor leaf (the others' extra rows dropped, ``on_drop`` told: NOTE [ DataParallel's
+    chunking ]), or ``len(target_devices)`` without tensor leaves (inputs passed by reference).
     """
     if not kwargs and inputs and _one_device(inputs, target_devices):
-        fast = _split_tensors(inputs, target_devices, dim, chunk_sizes)
+        fast = _split_tensors(inputs, target_devices, dim, chunk_sizes, on_drop)
         if fast is not None:
             return fast
     kwargs = kwargs or {}
     spec, leaves, dims, plan = scatter_plan((tuple(inputs), kwargs), target_devices, dim,
-                                            chunk_sizes)
+                                            chunk_sizes, on_drop, with_kwargs=True)
     if not leaves:
         n = len(target_devices) if (inputs or kwargs) else 0
         return tuple(tuple(inputs) for _ in range(n)), tuple(dict(kwargs) for _ in range(n))
@@ -167,9 +239,10 @@ def scatter_kwargs(
     return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
 
 
-def scatter(inputs: Any, target_devices: Sequence[torch.device], dim: int = 0) -> list[Any]:
+def scatter(inputs: Any, target_devices: Sequence[torch.device], dim: int = 0,
+            on_drop: OnDrop | None = None) -> list[Any]:
     """DataParallel's ``scatter``: one entry per chunk (tuple for a tensor input, else a list)."""
-    spec, leaves, dims, plan = scatter_plan(inputs, target_devices, dim)
+    spec, leaves, dims, plan = scatter_plan(inputs, target_devices, dim, None, on_drop)
     if not leaves:
         return [inputs for _ in target_devices]
     n = len(plan[0])
@@ -226,21 +299,45 @@ def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(vector_if_scalars(parts, dim)[0], dim)
 
 
-def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
-    """Gather per-replica outputs onto ``target_device`` (one fused Gather for all tensors)."""
+def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: str = "stack",
+           weights: Sequence[int] | None = None) -> Any:
+    """Gather per-replica outputs onto ``target_device`` (one fused Gather for all tensors).
+
+    ``scalars``: floating 0-dim outputs gathered along dim 0 become DataParallel's vector
+    (``"stack"``), their ``weights``-weighted mean (``"mean"``) or their sum (``"sum"``).
+    """
     cpu = type(target_device) is torch.device and target_device.type == "cpu"
     target = target_device if cpu else as_device(target_device)
-    if outputs and _one_device(outputs, [target]):  # NOTE [ Same-device scatter and gather ]
-        return _cat(outputs, dim)
+    if scalars == "stack" and outputs and _one_device(outputs, [target]):
+        return _cat(outputs, dim)  # NOTE [ Same-device scatter and gather ]
     groups: list = []
     spec = _gspec(list(outputs), groups)
-    if groups:
+    gathered: list[Any] = [None] * len(groups)
+    rest = list(range(len(groups)))
+    if scalars != "stack" and dim == 0:
+        for g, parts in enumerate(groups):
+            if all(p.dim() == 0 and p.is_floating_point() for p in parts):
+                gathered[g] = _combine(parts, target, scalars, weights)
+        rest = [g for g in rest if gathered[g] is None]
+    if rest:
         n = len(outputs)
-        flat = [t for g in groups for t in g]
+        flat = [t for g in rest for t in groups[g]]
         if _one_device(flat, [target]):  # NOTE [ Same-device scatter and gather ]
-            gathered = [_cat(g, dim) for g in groups]
+            done = [_cat(groups[g], dim) for g in rest]
         else:
-            gathered = Gather.apply(target, dim, n, *flat)
-    else:
-        gathered = ()
+            done = Gather.apply(target, dim, n, *flat)
+        for g, t in zip(rest, done):
+            gathered[g] = t
     return _gbuild(spec, gathered)
+
+
+def _combine(parts: Sequence[torch.Tensor], target: torch.device, how: str,
+             weights: Sequence[int] | None) -> torch.Tensor:
+    """One 0-dim value from the replicas' (differentiable; on ``target``)."""
+    values = torch.stack([p.to(target) for p in parts])
+    if how == "sum":
+        return values.sum()
+    if weights is None:
+        return values.mean()
+    w = torch.tensor(list(weights), dtype=values.dtype, device=target)
+    return (values * w).sum() / w.sum()

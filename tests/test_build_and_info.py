@@ -24,7 +24,7 @@ def test_extension_is_built_and_loaded():
     if os.environ.get("FASTDP_DISABLE_EXT") == "1":
         pytest.skip("FASTDP_DISABLE_EXT=1")
     assert _backend.loaded(), _backend.load_error()
-    assert fastdp.info()["backend"]["plan"] == "extension"
+    assert fastdp.info()["backend"]["scatter"] == "extension"
 
 
 def test_expected_build_flavour():
@@ -43,7 +43,7 @@ def test_disable_ext_env_forces_the_torch_path():
     env = dict(os.environ, FASTDP_DISABLE_EXT="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
-    assert '"plan": "torch"' in out
+    assert '"scatter": "torch"' in out
 
 
 def test_python_m_fastdp_info_prints_readably():

@@ -7,10 +7,9 @@ Properties (each over CPU replica sets of 1-8 devices):
   layouts contiguous/transposed/sliced/expanded/channels_last; non-tensor leaves), batch sizes
   0-64 and dims 0, 1, 2, -1, -2: ``gather(scatter(x))`` returns ``x`` bit for bit (non-tensor leaves
   come back as DataParallel's per-replica list), also through ``scatter_kwargs``.
-* ``test_scatter_chunks_match_torch_chunk``: every leaf's chunks are ``torch.chunk``'s (sizes, bits,
-  count), and leaves that ``torch.chunk`` splits into different counts raise ``ValueError``.
-* ``test_planner_cpp_matches_python``: ``fastdp._C.plan_chunks`` and ``plan_chunks_py`` return the
-  same plan or raise the same ``ValueError`` with the same text, explicit ``chunk_sizes`` included.
+* ``test_scatter_chunks_match_torch_chunk``: every leaf's chunks are ``torch.chunk``'s (sizes,
+  bits), as many replicas as the leaf with the fewest chunks has (DataParallel's ``zip``), with a
+  warning when others lose rows.
 * ``test_backends_bit_identical``: the ``ext`` and ``torch`` backends give bit-identical scattered
   chunks, gathered outputs and gradients.
 * ``test_broadcast_coalesced_copies_bit_exact`` / ``test_reduce_add_coalesced_sums_in_list_order``:
@@ -36,7 +35,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fastdp import _backend
-from fastdp._planner import plan_chunks_py
 from fastdp.scatter_gather import gather, scatter, scatter_kwargs
 
 EXAMPLES = int(os.environ.get("FASTDP_HYPOTHESIS_EXAMPLES", "2000"))
@@ -259,50 +257,17 @@ def test_scatter_chunks_match_torch_chunk(specs, batches, same_batch, n, dim):
         batches = [batches[0]] * 3
     xs = [materialize(s, b, dim) for s, b in zip(specs, batches)]
     ref = [torch.chunk(x, n, dim) for x in xs]
+    k = min(len(r) for r in ref)  # DataParallel's zip: the fewest chunks, extra ones dropped
     if len({len(r) for r in ref}) > 1:
-        with pytest.raises(ValueError, match="split into different numbers of chunks"):
-            scatter(tuple(xs), [torch.device("cpu")] * n, dim)
-        return
-    parts = scatter(tuple(xs), [torch.device("cpu")] * n, dim)
-    assert len(parts) == len(ref[0])
+        with pytest.warns(UserWarning, match="split into different numbers of chunks"):
+            parts = scatter(tuple(xs), [torch.device("cpu")] * n, dim)
+    else:
+        parts = scatter(tuple(xs), [torch.device("cpu")] * n, dim)
+    assert len(parts) == k
     for r, part in enumerate(parts):
         for i, chunk in enumerate(part):
             assert chunk.shape == ref[i][r].shape
             assert torch.equal(bits(chunk), bits(ref[i][r]))
-
-
-def _call(fn, *args):
-    try:
-        return ("ok", [list(p) for p in fn(*args)])
-    except ValueError as e:
-        return ("ValueError", str(e))
-
-
-sizes = st.integers(-2, 64) | st.integers(0, 2**40)
-
-
-@pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
-@PROPERTY
-@given(leaf_sizes=st.lists(sizes, max_size=6), n=st.integers(-1, 9),
-       chunk_sizes=st.none() | st.lists(st.integers(-2, 40), max_size=9),
-       matching=st.booleans())
-# Regressions: the Python planner reported the whole list for a negative chunk size, and checked
-# every leaf's size before the chunk counts (different errors from C++'s for the same input).
-@example(leaf_sizes=[], n=3, chunk_sizes=[0, -1, 2], matching=False)
-@example(leaf_sizes=[3, 1, -1], n=2, chunk_sizes=None, matching=False)
-def test_planner_cpp_matches_python(leaf_sizes, n, chunk_sizes, matching):
-    if matching and chunk_sizes is not None:  # make the explicit sizes valid for every leaf
-        chunk_sizes = [abs(c) for c in chunk_sizes]
-        n = len(chunk_sizes)
-        leaf_sizes = [sum(chunk_sizes)] * len(leaf_sizes)
-    cpp = _call(_backend._ext.plan_chunks, list(leaf_sizes), n, chunk_sizes)
-    py = _call(plan_chunks_py, list(leaf_sizes), n, chunk_sizes)
-    assert cpp == py
-    if cpp[0] == "ok" and chunk_sizes is None:
-        for s, plan in zip(leaf_sizes, cpp[1]):
-            assert sum(plan) == s
-            if s and s < 10**6:
-                assert plan == [c.numel() for c in torch.empty(s).chunk(n)]
 
 
 def _step(x, devices, dim, grad_seed):

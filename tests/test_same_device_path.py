@@ -90,8 +90,9 @@ def test_inputs_the_fast_split_does_not_take_still_raise_dataparallels_errors():
         sg.scatter_kwargs((torch.tensor(1.0),), None, CPU3, 0)
     with pytest.raises(IndexError, match="Dimension out of range"):
         sg.scatter_kwargs((torch.randn(4),), None, CPU3, 1)
-    with pytest.raises(ValueError, match="different numbers of chunks"):
-        sg.scatter_kwargs((torch.randn(6), torch.randn(2)), None, CPU3, 0)
+    with pytest.warns(UserWarning, match=r"inputs\[0\] \(6 rows, 4 used\)"):
+        ins, _ = sg.scatter_kwargs((torch.randn(6), torch.randn(2)), None, CPU3, 0)
+    assert len(ins) == 2
 
 
 @pytest.mark.parametrize("make", [lambda r: torch.tensor(float(r)),

@@ -79,10 +79,17 @@ def test_kwargs_only_tensors_decide_replica_count(backend):
     assert len(m.seen) == 3 and all(a == () and k["x"].shape == (1,) for a, k in m.seen)
 
 
-def test_tensors_splitting_into_different_chunk_counts_raise(backend):
+def test_tensors_splitting_into_different_chunk_counts_drop_rows_as_dataparallel(backend):
     m = Recorder()
-    with pytest.raises(ValueError, match="different numbers of chunks"):
+    with pytest.warns(UserWarning, match=r"5 replica\(s\) run.*inputs\[0\] \(30 rows, 20 used\)"):
         FastDataParallel(m, device_ids=["cpu"] * 8)(torch.ones(30), mask=torch.ones(10))
+    assert len(m.seen) == 5 and [a[0].shape[0] for a, _ in m.seen] == [4] * 5
+
+
+def test_strict_chunks_makes_dropped_rows_an_error(backend):
+    fdp = FastDataParallel(Recorder(), device_ids=["cpu"] * 8, strict_chunks=True)
+    with pytest.raises(ValueError, match=r"different numbers of chunks.*inputs\[0\] \(30 rows"):
+        fdp(torch.ones(30), mask=torch.ones(10))
 
 
 @pytest.mark.parametrize("dim", [1, -1, -2])
