@@ -55,7 +55,7 @@ def test_trainers_num_items_in_batch_on_a_partial_last_batch(batch, n):
     m = Recorder()
     fdp = FastDataParallel(m, device_ids=["cpu"] * n)
     ids = torch.arange(batch)
-    with pytest.warns(UserWarning, match=r"kwargs\['num_items_in_batch'\] \(%d rows" % n):
+    with pytest.warns(UserWarning, match=rf"kwargs\['num_items_in_batch'\] \({n} rows"):
         fdp(input_ids=ids, num_items_in_batch=torch.full((n,), 7))
     want = _dp_rule([ids, torch.full((n,), 7)], n)
     assert len(m.seen) == len(want)
