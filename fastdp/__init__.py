@@ -7,6 +7,7 @@ from fastdp._version import __version__
 from fastdp.checkpoint import unwrap
 from fastdp.criterion import ParallelCriterion, Scattered
 from fastdp.data_parallel import FastDataParallel, data_parallel
+from fastdp.install import install, installed, uninstall
 from fastdp.launch import shard_batch, wrap
 from fastdp._doctor import doctor  # after the modules it checks
 
@@ -21,4 +22,7 @@ __all__ = [
     "unwrap",
     "wrap",
     "shard_batch",
+    "install",
+    "uninstall",
+    "installed",
 ]

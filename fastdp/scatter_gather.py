@@ -303,8 +303,9 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: st
            weights: Sequence[int] | None = None) -> Any:
     """Gather per-replica outputs onto ``target_device`` (one fused Gather for all tensors).
 
-    ``scalars``: floating 0-dim outputs gathered along dim 0 become DataParallel's vector
-    (``"stack"``), their ``weights``-weighted mean (``"mean"``) or their sum (``"sum"``).
+    ``scalars``: floating one-element outputs (losses) gathered along dim 0 become DataParallel's
+    vector (``"stack"``), their ``weights``-weighted mean (``"mean"``) or their sum (``"sum"``),
+    shaped as each replica's.
     """
     cpu = type(target_device) is torch.device and target_device.type == "cpu"
     target = target_device if cpu else as_device(target_device)
@@ -314,9 +315,9 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: st
     spec = _gspec(list(outputs), groups)
     gathered: list[Any] = [None] * len(groups)
     rest = list(range(len(groups)))
-    if scalars != "stack" and dim == 0:
+    if scalars != "stack" and dim == 0:  # losses: 0-dim, or one element (HF's (1, 1) losses)
         for g, parts in enumerate(groups):
-            if all(p.dim() == 0 and p.is_floating_point() for p in parts):
+            if all(p.numel() == 1 and p.is_floating_point() for p in parts):
                 gathered[g] = _combine(parts, target, scalars, weights)
         rest = [g for g in rest if gathered[g] is None]
     if rest:
@@ -333,11 +334,13 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: st
 
 def _combine(parts: Sequence[torch.Tensor], target: torch.device, how: str,
              weights: Sequence[int] | None) -> torch.Tensor:
-    """One 0-dim value from the replicas' (differentiable; on ``target``)."""
-    values = torch.stack([p.to(target) for p in parts])
+    """One value, shaped as each replica's, from the replicas' (differentiable; on ``target``)."""
+    values = torch.stack([p.reshape(()).to(target) for p in parts])
     if how == "sum":
-        return values.sum()
-    if weights is None:
-        return values.mean()
-    w = torch.tensor(list(weights), dtype=values.dtype, device=target)
-    return (values * w).sum() / w.sum()
+        out = values.sum()
+    elif weights is None:
+        out = values.mean()
+    else:
+        w = torch.tensor(list(weights), dtype=values.dtype, device=target)
+        out = (values * w).sum() / w.sum()
+    return out.reshape(parts[0].shape)
