@@ -4,7 +4,7 @@ Bare keys (the plain module's names) are the interchange format:
 ``fastdp.unwrap(model).state_dict()`` saves them from FastDataParallel, ``nn.DataParallel`` and DDP
 alike, and FSDP2's ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` returns them
 too. ``FastDataParallel.load_state_dict`` accepts them as well as its own ``module.`` keys
-(pytorch #3805).
+(pytorch #3805), and keys saved through ``torch.compile`` (``_orig_mod.`` segments).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = ["unwrap", "load_wrapped_state_dict"]
 
 _PREFIX = "module."
 _MAX_DEPTH = 3
+_COMPILED = "_orig_mod."  # torch.compile's OptimizedModule holds the module as _orig_mod
 
 
 def unwrap(model: Module) -> Module:
@@ -67,6 +68,19 @@ def _strip(state_dict: Mapping[str, Any], depth: int) -> OrderedDict:
     return out
 
 
+def _without_compile_segments(state_dict: Mapping[str, Any], expected: list[str]) -> Any:
+    """``torch.compile(FastDataParallel(m)).state_dict()`` keys read ``_orig_mod.module.x``;
+    drop the segment where the model expects none (metadata too)."""
+    if any(_COMPILED in k for k in expected) or not any(_COMPILED in k for k in state_dict):
+        return state_dict
+    out = OrderedDict((k.replace(_COMPILED, ""), v) for k, v in state_dict.items())
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        out._metadata = OrderedDict(  # type: ignore[attr-defined]
+            ((k + ".").replace(_COMPILED, "").rstrip("."), v) for k, v in meta.items())
+    return out
+
+
 def _near(key: str, candidates: list[str], what: str, prefix: str) -> str:
     close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.5)
     return f" ({what}: {', '.join(repr(prefix + c) for c in close)})" if close else ""
@@ -79,6 +93,7 @@ def load_wrapped_state_dict(wrapper: Module, state_dict: Mapping[str, Any], stri
     """
     inner: Module = wrapper.module
     expected = list(inner.state_dict().keys())
+    state_dict = _without_compile_segments(state_dict, expected)
     keys = list(state_dict.keys())
     depth = _best_depth(keys, set(expected))
     result = inner.load_state_dict(_strip(state_dict, depth), strict=False, assign=assign)

@@ -177,6 +177,8 @@ class FastDataParallel(DataParallel):
         if device_ids is not None:
             devs = as_devices(list(device_ids))
             if not devs:
+                if not torch.cuda.is_available():
+                    return None  # DataParallel without an accelerator: the module runs directly
                 raise RuntimeError("no available devices were found")
             if devs[0].type == "cpu":
                 return devs

@@ -80,7 +80,9 @@ def scatter_plan(
     leaves: list[torch.Tensor] = []
     spec = _flatten(obj, leaves)
     dims = []
-    for t in leaves:
+    for i, t in enumerate(leaves):
+        if t.layout != torch.strided or t.is_nested:
+            raise TypeError(_unsplittable(t, leaf_paths(spec, with_kwargs).get(i, f"tensor {i}")))
         if t.dim() == 0:
             raise RuntimeError("chunk expects at least a 1-dimensional tensor")
         dims.append(dim % t.dim() if dim < 0 else dim)
@@ -99,6 +101,14 @@ def scatter_plan(
 
 
 OnDrop = Callable[[str], None]
+
+
+def _unsplittable(t: torch.Tensor, path: str) -> str:
+    kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
+    return (f"fastdp: input {path} is {kind}, which cannot be chunked along the batch dim for the "
+            "replicas (nn.DataParallel cannot either). Pass it dense (.to_dense(), or padded "
+            "with torch.nested.to_padded_tensor), or inside an object that is not a tensor, "
+            "list, tuple or dict so that every replica receives it whole.")
 
 
 def warn_dropped(message: str) -> None:
@@ -161,7 +171,8 @@ def _one_device(tensors: Sequence[Any], devices: Sequence[torch.device]) -> bool
         if d != dev:
             return False
     for t in tensors:  # loops, not all(): this runs twice a step
-        if type(t) is not torch.Tensor or t.device != dev or t.layout != torch.strided:
+        if type(t) is not torch.Tensor or t.device != dev or t.layout != torch.strided or \
+                t.is_nested:
             return False
     return True
 
