@@ -124,7 +124,8 @@ def make_extension():
     library_dirs, libraries, link_args = [], [], []
     if with_cuda:
         visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
-        chosen = _ARCHS["build_arch_list"](os.environ, torch.version.cuda, visible)
+        cuda = _ARCHS["toolkit_cuda_version"](cpp_extension.CUDA_HOME, torch.version.cuda)
+        chosen = _ARCHS["build_arch_list"](os.environ, cuda, visible)  # nvcc's archs, not torch's
         if chosen:
             os.environ["TORCH_CUDA_ARCH_LIST"] = chosen
             print(f"fastdp: no GPU visible, TORCH_CUDA_ARCH_LIST={chosen}", file=sys.stderr)

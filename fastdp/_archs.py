@@ -5,6 +5,8 @@ Pure Python without torch, so that ``setup.py`` can load it by path before impor
 
 from __future__ import annotations
 
+import re
+import subprocess
 from collections.abc import Mapping
 
 
@@ -36,3 +38,25 @@ def build_arch_list(env: Mapping[str, str], cuda_version: str, gpu_visible: bool
         return None
     return default_archs(cuda_version)
 
+
+
+def nvcc_release(text: str) -> str | None:
+    """``"13.0"`` from ``nvcc --version``'s output (``Cuda compilation tools, release 13.0``)."""
+    m = re.search(r"release (\d+)\.(\d+)", text)
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def toolkit_cuda_version(cuda_home: str | None, torch_cuda: str) -> str:
+    """The CUDA version the default arch list must follow: the compiler's, which may be older
+    than torch's (torch cu128 with nvcc 12.6 cannot compile sm_100/sm_120); torch's when nvcc
+    cannot be asked."""
+    if cuda_home:
+        try:
+            out = subprocess.run([f"{cuda_home}/bin/nvcc", "--version"], capture_output=True,
+                                 text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        found = nvcc_release(out)
+        if found:
+            return found
+    return torch_cuda

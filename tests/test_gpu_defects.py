@@ -184,3 +184,30 @@ def test_peer_access_check_on_a_full_device_stages_instead_of_raising() -> None:
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     warned = int(r.stdout.split("warnings:")[1]) + r.stderr.count("is reported but")
     assert warned <= 1  # decided once (TORCH_WARN reaches Python or stderr, not both)
+
+
+def test_default_archs_follow_nvcc_not_torch(tmp_path) -> None:
+    """N5: torch cu128 with nvcc 12.6 must not ask for compute_100/120 (nvcc 12.6 has neither)."""
+    from fastdp._archs import nvcc_release, toolkit_cuda_version
+
+    assert nvcc_release("Cuda compilation tools, release 12.6, V12.6.85") == "12.6"
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.6, V12.6.85'\n")
+    nvcc.chmod(0o755)
+    version = toolkit_cuda_version(str(tmp_path), "12.8")
+    assert version == "12.6"
+    assert "10.0" not in default_archs(version) and "12.0" not in default_archs(version)
+    assert toolkit_cuda_version(None, "12.8") == "12.8"  # no toolkit to ask: torch's
+
+
+def test_cuda_sources_use_the_long_standing_event_header() -> None:
+    """N4: c10/cuda/CUDAEvent.h and c10::cuda::CUDAEvent exist only from torch 2.11;
+    ATen/cuda/CUDAEvent.h and at::cuda::CUDAEvent for years."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    for f in root.rglob("*"):
+        if f.suffix in (".h", ".cpp", ".cu"):
+            text = f.read_text()
+            assert "<c10/cuda/CUDAEvent.h>" not in text and "c10::cuda::CUDAEvent" not in text, f

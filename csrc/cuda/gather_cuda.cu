@@ -73,7 +73,7 @@ struct Pending {
   size_t k;
   at::Tensor src;
   PinnedBlock block;
-  c10::cuda::CUDAEvent arrived;
+  at::cuda::CUDAEvent arrived;
 };
 
 void gather_to_host(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& slices) {
@@ -93,7 +93,7 @@ void gather_to_host(const std::vector<at::Tensor>& tensors, const std::vector<at
     C10_CUDA_CHECK(cudaMemcpyAsync(block.data(), src.data_ptr(), nbytes, cudaMemcpyDeviceToHost,
                                    stream));
     block.record(stream);
-    pending.push_back({k, std::move(src), std::move(block), c10::cuda::CUDAEvent()});
+    pending.push_back({k, std::move(src), std::move(block), at::cuda::CUDAEvent()});
     pending.back().arrived.record(stream);
   }
   for (size_t k = 0; k < tensors.size(); ++k) {  // host sources meanwhile

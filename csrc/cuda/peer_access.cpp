@@ -114,7 +114,7 @@ void staged_copy(char* dst, const c10::cuda::CUDAStream& dst_stream, const char*
     }
     if (block) {
       block.record(src_stream);
-      c10::cuda::CUDAEvent copied;
+      at::cuda::CUDAEvent copied;
       copied.record(src_stream);
       copied.block(dst_stream);
     } else {
@@ -149,11 +149,11 @@ void peer_copy(void* dst, const c10::cuda::CUDAStream& dst_stream, const void* s
                 bytes);
     return;
   }
-  c10::cuda::CUDAEvent ready;  // see NOTE [ Peer access ] (ordering)
+  at::cuda::CUDAEvent ready;  // see NOTE [ Peer access ] (ordering)
   ready.record(src_stream);
   ready.block(dst_stream);
   direct_copy(dst, d, src, s, bytes, dst_stream);
-  c10::cuda::CUDAEvent read;
+  at::cuda::CUDAEvent read;
   read.record(dst_stream);
   read.block(src_stream);
 }

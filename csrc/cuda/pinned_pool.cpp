@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <list>
 #include <mutex>
 #include <optional>
 
@@ -43,7 +44,9 @@ struct PinnedBlockState {
   size_t size = 0;
   bool lent = false;
   uint64_t released_at = 0;
-  std::vector<c10::cuda::CUDAEvent> events;
+  // A list: erasing from a vector move-assigns the survivors, and c10's CUDAEvent move-assign
+  // overwrites its event without destroying it (every completed event leaked).
+  std::list<at::cuda::CUDAEvent> events;
 };
 
 namespace {
@@ -70,9 +73,7 @@ size_t rounded(size_t bytes) {
 // Whether every event recorded on the block completed; drops those that did.
 bool idle(PinnedBlockState& b) {
   if (b.lent) return false;
-  b.events.erase(std::remove_if(b.events.begin(), b.events.end(),
-                                [](const c10::cuda::CUDAEvent& e) { return e.query(); }),
-                 b.events.end());
+  b.events.remove_if([](const at::cuda::CUDAEvent& e) { return e.query(); });
   return b.events.empty();
 }
 
@@ -214,7 +215,7 @@ void* PinnedBlock::data() const { return state_->ptr; }
 size_t PinnedBlock::size() const { return state_->size; }
 
 void PinnedBlock::record(const c10::cuda::CUDAStream& stream) {
-  c10::cuda::CUDAEvent event;
+  at::cuda::CUDAEvent event;
   event.record(stream);
   state_->events.push_back(std::move(event));
 }

@@ -158,7 +158,7 @@ void scatter_from_host(std::vector<Copy*>& copies, c10::DeviceIndex device,
     }
   }
   flush_window(pieces, begin, end, buf, stream);
-  c10::cuda::CUDAEvent done;
+  at::cuda::CUDAEvent done;
   done.record(stream);
   done.block(current);
 }
