@@ -18,7 +18,7 @@ from torch.nn import Module
 
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
-from fastdp.scatter_gather import gather, scatter_kwargs
+from fastdp.scatter_gather import _flatten, gather, scatter_kwargs
 
 __all__ = ["Scattered", "ParallelCriterion"]
 
@@ -67,6 +67,23 @@ class Scattered:
     def __repr__(self) -> str:
         devs = [str(d) for d in self.devices]
         return f"Scattered(replicas={len(self)}, chunk_sizes={self.chunk_sizes}, devices={devs})"
+
+
+def _check_rows(targets: tuple, sizes: list[int] | None, dim: int) -> None:
+    """Targets pair with the outputs row for row: a target tensor whose rows differ from the
+    outputs' would be chunked on its own (the forward's rule) and mispaired, so it is an error."""
+    if sizes is None:
+        return
+    leaves: list = []
+    _flatten(targets, leaves)
+    total = sum(sizes)
+    for i, t in enumerate(leaves):
+        if t.dim() > 0 and t.size(dim) != total:
+            raise ValueError(
+                f"fastdp.ParallelCriterion: the outputs' chunks sum to {total} rows but target "
+                f"tensor {i} has {t.size(dim)} rows along dim {dim}; pass targets for the same "
+                "batch the forward saw"
+            )
 
 
 def _to(obj: Any, device: torch.device | None) -> Any:
@@ -158,6 +175,7 @@ class ParallelCriterion(Module):
             return loss if outputs.output_device is None else loss.to(outputs.output_device)
         devices = outputs.devices
         if targets or kwargs:
+            _check_rows(targets, outputs.chunk_sizes, dim)
             tgts, kws = scatter_kwargs(targets, kwargs, devices, dim, outputs.chunk_sizes)
         else:
             tgts, kws = ((),) * n, ({},) * n

@@ -199,7 +199,7 @@ def test_loss_error_names_the_replica():
 def test_target_batch_mismatch_is_a_value_error():
     fdp, _ = _pair(_net())
     x, y = _data()
-    with pytest.raises(ValueError, match="sum to 10 but input tensor 0 has batch size 9"):
+    with pytest.raises(ValueError, match="sum to 10 rows but target tensor 0 has 9 rows"):
         fastdp.ParallelCriterion(nn.CrossEntropyLoss())(fdp(x), y[:9])
 
 
