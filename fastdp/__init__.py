@@ -9,6 +9,8 @@ from fastdp.criterion import ParallelCriterion, Scattered
 from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.install import install, installed, uninstall
 from fastdp.launch import shard_batch, wrap
+
+# isort: split
 from fastdp._doctor import doctor  # after the modules it checks
 
 __all__ = [

@@ -74,7 +74,8 @@ def scatter_check(where: str, kind: str) -> Callable[[], str]:
         devs, n = _devices(kind), 0
         for label, t, dim in cases():
             src = _source(t, where)
-            ext_vs_torch(lambda: comm.scatter(src, devs, dim=dim), f"{label} -> {devs}")
+            ext_vs_torch(lambda src=src, dim=dim: comm.scatter(src, devs, dim=dim),
+                         f"{label} -> {devs}")
             n += 1
         return f"{n} cases bit-exact vs torch"
     return run
@@ -89,7 +90,8 @@ def gather_check(kind: str, dest: str) -> Callable[[], str]:
             with _backend.use_extension(False):
                 parts = comm.scatter(_source(t, "pageable" if kind == "cpu" else "cuda"),
                                      _devices(kind), dim=dim)
-            ext_vs_torch(lambda: comm.gather(parts, dim, dest), f"{label} -> {dest}")
+            ext_vs_torch(lambda parts=parts, dim=dim: comm.gather(parts, dim, dest),
+                         f"{label} -> {dest}")
             n += 1
         return f"{n} cases bit-exact vs torch"
     return run

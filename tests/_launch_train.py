@@ -46,7 +46,8 @@ def main(out_path: str) -> None:
         # worker threads, and one may still be freeing the last collective's work (tensors that
         # Python owns) when the interpreter finalizes; taking the GIL then kills the thread inside
         # a noexcept destructor: std::terminate, "terminate called without an active exception"
-        # (torch's bug: pytorch issue #190489, PR #179291). Everything is written: skip finalization.
+        # (torch's bug: pytorch issue #190489, PR #179291). Everything is written: skip
+        # finalization.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -6,7 +6,6 @@ import pytest
 from fastdp import _backend
 from fastdp.testing import BACKENDS, set_backend
 
-
 # NOTE [ Tests under each launch strategy ]
 # The files that exercise replicas end to end (parity, persistent, stateful, faults, upstream,
 # thread state, errors) use the ``launch`` fixture: each of their tests runs once per strategy,

@@ -125,10 +125,14 @@ def _dict16(width: int) -> Callable[[int, torch.device | str], tuple]:
 # Per-profile sizes: batch of the MLPs, CNN (base width, image side, batch), transformer (d_model,
 # heads, feed-forward, sequence, batch), LSTM (hidden, sequence, batch).
 _SIZES = {
-    "tiny": dict(wide=(64, 32), mlp_b=8, cnn=(4, 16, 4), tf=(16, 2, 32, 8, 4), lstm=(16, 8, 4)),
-    "quick": dict(wide=(256, 128), mlp_b=16, cnn=(8, 16, 8), tf=(32, 4, 64, 16, 8), lstm=(32, 16, 8)),
-    "cpu": dict(wide=(1024, 512), mlp_b=64, cnn=(16, 32, 8), tf=(64, 4, 256, 32, 16), lstm=(64, 32, 16)),
-    "gpu": dict(wide=(4096, 4096), mlp_b=1024, cnn=(64, 128, 64), tf=(512, 8, 2048, 128, 64), lstm=(512, 128, 64)),
+    "tiny": dict(wide=(64, 32), mlp_b=8, cnn=(4, 16, 4), tf=(16, 2, 32, 8, 4),
+                 lstm=(16, 8, 4)),
+    "quick": dict(wide=(256, 128), mlp_b=16, cnn=(8, 16, 8), tf=(32, 4, 64, 16, 8),
+                  lstm=(32, 16, 8)),
+    "cpu": dict(wide=(1024, 512), mlp_b=64, cnn=(16, 32, 8), tf=(64, 4, 256, 32, 16),
+                lstm=(64, 32, 16)),
+    "gpu": dict(wide=(4096, 4096), mlp_b=1024, cnn=(64, 128, 64), tf=(512, 8, 2048, 128, 64),
+                lstm=(512, 128, 64)),
 }
 
 
