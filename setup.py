@@ -73,6 +73,15 @@ if _cuda_home:
     os.environ["CUDA_HOME"] = _cuda_home  # before cpp_extension reads it at import
 
 import torch  # noqa: E402
+
+# The oldest torch CI builds and tests (.ci/run stage 1: 2.11.0+cu130 with nvcc 13.0); keep in
+# step with pyproject.toml's dependency and the README's Install section.
+TORCH_FLOOR = (2, 11)
+_tv = re.match(r"(\d+)\.(\d+)", torch.__version__)
+if _tv is None or (int(_tv[1]), int(_tv[2])) < TORCH_FLOOR:
+    sys.exit(f"setup.py: fastdp needs torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (found "
+             f"{torch.__version__}); pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}' first")
+
 from torch.utils import cpp_extension  # noqa: E402
 
 

@@ -211,3 +211,21 @@ def test_cuda_sources_use_the_long_standing_event_header() -> None:
         if f.suffix in (".h", ".cpp", ".cu"):
             text = f.read_text()
             assert "<c10/cuda/CUDAEvent.h>" not in text and "c10::cuda::CUDAEvent" not in text, f
+
+
+def test_setup_stops_below_the_torch_floor(tmp_path) -> None:
+    """N4, the torch range: below the declared floor setup.py stops with one clear line."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("__version__ = '2.4.0+cu121'\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "FASTDP_FORCE_CPU": "1"}
+    r = subprocess.run([sys.executable, str(root / "setup.py"), "--version"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "fastdp needs torch >= 2.11 (found 2.4.0+cu121)" in r.stderr, r.stderr
+    floor = re.search(r'"torch>=([\d.]+)"', (root / "pyproject.toml").read_text())[1]
+    assert floor == "2.11"
