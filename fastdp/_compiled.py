@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -123,7 +125,7 @@ def compile_root(r: Module, ctx: Any) -> Module:
 # no longer overlap on threads. Exception: replicas that meet inside a forward (SyncBatchNorm,
 # replication callbacks) must run at once and stay on threads. Backward is autograd's: on CPU
 # in the caller's thread; on distinct GPUs each device's thread runs its replica's compiled
-# backward (AOT autograd compiles a backward lazily on its first call): unverified on GPUs.
+# backward, compiled already by its forward (NOTE [ Backward compiled with the forward ]).
 
 
 # NOTE [ CUDA graphs on replicas ]
@@ -149,6 +151,53 @@ def compile_root(r: Module, ctx: Any) -> Module:
 #   of failing a guard): after ``_renew`` or a rebuild the tree re-records once. no_sync's leaves
 #   share the persistent storage, hence the addresses.
 # Unverified on a GPU so far (tests/test_compile.py::test_reduce_overhead_* skip without one).
+
+
+# NOTE [ One compile budget per device ]
+# Dynamo guards on each tensor input's device, so replicas that share one cache entry on one
+# device (NOTE [ Compiled replicas ]) need one entry per device across GPUs: k devices fill k
+# entries of the code object's cache per variant (train, eval, no_grad, a partial batch), and
+# at ``recompile_limit`` (default 8) dynamo runs new variants eager with a warning. The cache
+# is per code object, so a budget per device is a limit scaled by the replicas:
+# ``budget_for(n)`` raises ``recompile_limit`` (and ``accumulated_recompile_limit``) to the
+# user's own value times ``n``, never lowers them, and starts again from a value the user set
+# since. One compiled callable per device would not help: dynamo's cache is on the code object,
+# not on the callable. The CPU test gives each replica its own guarded attribute instead.
+_budget: dict[str, int] = {}
+
+
+def budget_for(num_replicas: int) -> None:
+    """Scale dynamo's recompile limits to ``num_replicas`` (NOTE [ One compile budget per
+    device ]); a no-op before ``torch._dynamo`` is imported (nothing is compiled then)."""
+    cfg = sys.modules.get("torch._dynamo.config")
+    if cfg is None or num_replicas <= 1:
+        return
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        now = getattr(cfg, name)
+        if now != _budget.get(name + ".set"):  # first sight, or the user set it since
+            _budget[name] = now
+        want = max(now, _budget[name] * num_replicas)
+        if want != now:
+            setattr(cfg, name, want)
+        _budget[name + ".set"] = want
+
+
+# NOTE [ Backward compiled with the forward ]
+# AOT autograd compiles a backward lazily, on its first call. Compiled replicas run forward in
+# order on the caller's thread (NOTE below), but across GPUs their backwards run on each
+# device's autograd thread: lazy compiles of one step would run concurrently, and inductor's
+# compile is not thread-safe. ``backward_with_forward()`` sets functorch's
+# ``force_non_lazy_backward_lowering`` around the in-order forwards, so every backward a
+# replica's forward compiles is compiled right there, in turn, on the caller's thread
+# (a forward that never runs backward pays for its compile: the price of no lock in backward).
+@contextmanager
+def backward_with_forward() -> Iterator[None]:
+    cfg = sys.modules.get("torch._functorch.config")
+    if cfg is None or not hasattr(cfg, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with cfg.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 def mark_static(tensors: Any) -> None:

@@ -28,6 +28,7 @@ from torch.nn.parameter import UninitializedParameter
 from fastdp import _backend, _watch, engine
 from fastdp._accumulate import LeafAccumulation
 from fastdp._compiled import (
+    budget_for,
     compile_root,
     finish_replica,
     is_compiled,
@@ -189,6 +190,8 @@ class ReplicaSet(LeafAccumulation):
                 finish_replica(m, r)
         roots = [compile_root(row[0], self.compile_ctx) for row in copies]
         self.in_order = self._runs_compiled_in_order()
+        if self.compile_ctx is not None or any(is_compiled(m) for m in self.modules):
+            budget_for(len(self.devices))  # NOTE [ One compile budget per device ]
         if self.in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
             mark_static(self.tensors)
             mark_static(self.buffer_copies)

@@ -21,7 +21,12 @@ from torch.nn.parameter import UninitializedParameter
 from fastdp import _watch, engine
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
-from fastdp._compiled import context_from_options, is_compiled, untraced_forward
+from fastdp._compiled import (
+    backward_with_forward,
+    context_from_options,
+    is_compiled,
+    untraced_forward,
+)
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._launch import AutoLaunch, input_key, resolve_launch
 from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
@@ -248,7 +253,10 @@ class FastDataParallel(DataParallel):
             rs, self._step_rs = self._step_rs, None
             if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
                 on["launch"] = "inline"
-            if rs is not None and not rs.meet:  # no SyncBatchNorm, no callbacks: nothing to arm
+            if rs is not None and rs.in_order:  # NOTE [ Backward compiled with the forward ]
+                with backward_with_forward():
+                    outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
+            elif rs is not None and not rs.meet:  # no SyncBatchNorm, no callbacks: nothing to arm
                 outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
             else:
                 with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks

@@ -19,7 +19,7 @@ from torch.nn.parallel.replicate import _replicatable_module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import comm
-from fastdp._compiled import finish_replica, replicate_module
+from fastdp._compiled import budget_for, finish_replica, is_compiled, replicate_module
 from fastdp._devices import as_device
 from fastdp._functions import Broadcast
 
@@ -107,4 +107,6 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     for i, module in enumerate(modules):
         for j in range(num):
             finish_replica(module, copies[j][i])
+    if any(is_compiled(m) for m in modules):
+        budget_for(num)  # NOTE [ One compile budget per device ]
     return [copies[j][0] for j in range(num)]
