@@ -1,9 +1,10 @@
-"""The CUDA defects found by review (issue 10): the CPU-visible decisions, and GPU checks.
+"""The CUDA defects found by the two reviews: the CPU-visible decisions, and GPU checks.
 
 CPU-visible: the window of a GPU-to-GPU copy staged through the host (was 1 byte with the pinned
-pool off) and the arch list of a build without a visible GPU (had no PTX). The GPU tests skip
-without the GPUs they need; they pin down the stream ordering of cross-device copies and the
-staged path with the pool off.
+pool off), the arch list of a build without a visible GPU (had no PTX; followed torch's CUDA
+version, not nvcc's: N5), the event header (N4) and the torch floor. The GPU tests skip without
+the GPUs they need; they pin down the stream ordering of cross-device copies, the staged path
+with the pool off, peer access on expandable segments (N8) and a full device (N7).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import fastdp.comm
 from fastdp import _backend
 from fastdp._archs import build_arch_list, default_archs
-from fastdp.testing import NUM_GPUS, onlyMultiGPU
+from fastdp.testing import onlyMultiGPU
 
 MiB = 1 << 20
 needs_ext = pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
@@ -150,22 +151,51 @@ def test_staged_gpu_copy_with_pool_off_or_on_completes(pool_mb: str) -> None:
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
+_PEER = """
+import torch, fastdp.comm
+from fastdp import _backend
+for b in range(1, torch.cuda.device_count()):
+    usable = _backend._ext.peer_access(0, b)
+    if usable:
+        assert torch.cuda.can_device_access_peer(0, b)
+    # allocator memory in expandable segments (cuMemMap): the peer must be granted access to
+    # these segments, which only the allocator's own enablePeerAccess does
+    x = torch.randn((8 << 20) + 3, device="cuda:0")
+    parts = fastdp.comm.scatter(x, [0, b])  # the kernel path: peer reads when usable
+    back = fastdp.comm.gather(parts, destination=b)
+    torch.cuda.synchronize()
+    assert torch.equal(back.cpu(), x.cpu()), b
+    print("pair", b, "peer" if usable else "staged")
+print("ok")
+"""
+
+
 @onlyMultiGPU
 @needs_ext
 def test_peer_access_is_verified_on_allocator_memory_and_agrees_with_torch() -> None:
-    # torch's get_p2p_access enabled it (through the caching allocator) when fastdp says usable.
-    for b in range(1, NUM_GPUS):
-        if _backend._ext.peer_access(0, b):
-            assert torch.cuda.can_device_access_peer(0, b)
-            x = torch.randn(1 << 20, device="cuda:0")
-            assert torch.equal(x.to(f"cuda:{b}").cpu(), x.cpu())
+    """N8: with expandable segments (cuMemMap'd memory) a peer can read allocator memory only
+    when access was enabled through the allocator; the old check passed without them."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    r = subprocess.run([sys.executable, "-c", _PEER], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
 _FULL = """
 import warnings, torch
 from fastdp import _backend
-free, _ = torch.cuda.mem_get_info(1)
-hog = torch.empty(free - (256 << 10), dtype=torch.uint8, device="cuda:1")  # < the 1 MiB check
+# Fill cuda:1 below the check's 1 MiB in shrinking pieces: one raw cudaMalloc of free - 256 KiB
+# can fail by itself (granularity, fragmentation).
+hogs, size = [], 1 << 34
+while size >= (64 << 10):
+    free, _ = torch.cuda.mem_get_info(1)
+    if free < (512 << 10):
+        break
+    try:
+        hogs.append(torch.empty(min(size, free - (256 << 10)), dtype=torch.uint8, device="cuda:1"))
+    except torch.OutOfMemoryError:
+        size //= 2
+print("left", torch.cuda.mem_get_info(1)[0])
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     first = _backend._ext.peer_access(0, 1)  # must not raise: OOM in the check = staged path
