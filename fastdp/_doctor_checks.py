@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 import fastdp.comm as comm
-from fastdp import _backend, engine
+from fastdp import _backend, _doctor_kernels, engine
 from fastdp._devices import as_device
 from fastdp._doctor_cases import Mismatch, Skip, cases, ext_vs_torch, make, same, sync
 
@@ -230,8 +231,9 @@ def _train(module: nn.Module, data, wrap) -> list[torch.Tensor]:
     return seen + [p.detach() for p in module.parameters()]
 
 
-def plan() -> list[tuple[str, Callable[[], str], str]]:
-    """(name, check, the switch that avoids its path)."""
+def plan(quick: bool = False) -> list[tuple[str, Callable[[], str], str]]:
+    """(name, check, the switch that avoids its path); ``quick``: the kernel checks' small
+    cases."""
     out: list[tuple[str, Callable[[], str], str]] = [("extension", check_extension, AVOID_EXT)]
     scatter = [("pageable", "cpu")] + [(w, k) for k in ("[0,0]", "all")
                                        for w in ("pageable", "pinned", "cuda")]
@@ -240,6 +242,8 @@ def plan() -> list[tuple[str, Callable[[], str], str]]:
     for kind, dest in (("cpu", "cpu"), ("[0,0]", "cuda:0"), ("[0,0]", "cpu"), ("all", "cuda:0"),
                        ("all", "cpu")):
         out.append((f"gather {kind} -> {dest}", gather_check(kind, dest), AVOID_EXT))
+    for name, check in _doctor_kernels.plan():  # the kernels called directly, at real sizes
+        out.append((name, partial(check, quick), AVOID_EXT))
     for op in ("broadcast", "reduce", "refresh"):
         for kind in ("cpu", "[0,0]", "all"):
             out.append((f"{op} coalesced {kind}", coalesced_check(op, kind), AVOID_EXT))

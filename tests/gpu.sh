@@ -6,11 +6,14 @@
 #   build     pip install --no-build-isolation --no-deps -e . against the machine's own torch
 #             (never a build carried from elsewhere), then python -m fastdp.info; fails unless
 #             the extension was built with CUDA.
-#   check     python -m fastdp.doctor (every path bit-exact vs torch, P2P, NCCL, training parity),
+#   check     python -m fastdp.doctor (every path bit-exact vs torch, the kernels at real sizes on
+#             every GPU, P2P, NCCL, training parity),
 #             then the whole pytest suite (its GPU tests run, multi-GPU ones skip on one GPU).
 #   sanitize  compute-sanitizer memcheck, racecheck and synccheck, each over the doctor's one-GPU
-#             checks ([0,0]: every scatter/gather/broadcast/reduce/refresh kernel and copy path and
-#             a training step), each under its own time limit.
+#             checks ([0,0]: every scatter/gather/broadcast/reduce/refresh path and a training
+#             step) and its kernel checks on their --quick cases (every kernel called directly:
+#             host<->GPU, GPU to itself, a 1 MiB pinned pool, a side stream), each under its own
+#             time limit.
 #   bench     python -m fastdp.bench, the GPU suites this machine can run (gpu-comm,
 #             gpu-replicate, gpu-steps with its x-floor ratio, overhead-cuda; multigpu-* on 2+
 #             GPUs), no plots.
@@ -74,8 +77,8 @@ stage_sanitize() {
     echo "=== $tool ==="
     if [ "$DRY" = 1 ]; then
       echo "dry run: would run ${san:-compute-sanitizer} --tool $tool --error-exitcode 3" \
-           "$PY -m fastdp.doctor -k [0,0]"
-      "$PY" -m fastdp.doctor -k cpu || rc=1
+           "$PY -m fastdp.doctor --quick -k [0,0] -k kernels"
+      "$PY" -m fastdp.doctor --quick -k cpu -k kernels || rc=1
     elif [ -z "$san" ]; then
       echo "gpu.sh: compute-sanitizer not found"; return 1
     else
@@ -83,7 +86,8 @@ stage_sanitize() {
       local nocache=()
       [ "$tool" = memcheck ] && nocache=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
       env "${nocache[@]}" timeout 170 "$san" --tool "$tool" --error-exitcode 3 --print-limit 20 \
-        "$PY" -m fastdp.doctor -k "[0,0]" || { echo "gpu.sh: $tool failed (rc $?)"; rc=1; }
+        "$PY" -m fastdp.doctor --quick -k "[0,0]" -k kernels ||
+        { echo "gpu.sh: $tool failed (rc $?)"; rc=1; }
     fi
   done
   return $rc

@@ -72,3 +72,49 @@ def test_doctor_runs_as_a_module_with_the_extension_disabled() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SKIP  scatter pageable -> cpu" in r.stdout and "FASTDP_DISABLE_EXT=1" in r.stdout
     assert "PASS  training parity cpu" in r.stdout
+
+
+def test_kernel_checks_name_their_cases_pass_on_the_cpu_and_skip_gpu_ones(tmp_path,
+                                                                          capsys) -> None:
+    out = tmp_path / "doctor.json"
+    assert main(["-k", "kernels", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cases = report["kernel_cases"]
+    for dt in ("complex128", "int8", "int16", "bool", "bfloat16"):
+        assert f"{dt} (1048579,)" in cases  # 2^20 + 3 elements
+    if hasattr(torch, "float8_e4m3fn"):
+        assert "float8_e4m3fn (1048579,)" in cases
+    assert any("40.0 MiB" in c for c in cases) and any("channels_last" in c for c in cases)
+    assert "kernel cases (20" in capsys.readouterr().out
+    statuses = {c["name"]: (c["status"], c["why"]) for c in report["checks"]}
+    assert len(statuses) == 9
+    if _backend.loaded():
+        assert statuses["kernels gather cpu -> cpu"][0] == "PASS"
+        assert statuses["kernels scatter pageable -> cpu"][0] == "PASS"
+    if not torch.cuda.is_available():
+        gpu = {n: v for n, v in statuses.items() if "cpu -> cpu" not in n
+               and "pageable -> cpu" not in n}
+        assert all(s == "SKIP" and why for s, why in gpu.values()), gpu
+
+
+def test_quick_kernel_cases_are_small() -> None:
+    report = fastdp.doctor(["kernels gather cpu", "kernels scatter pageable -> cpu"], quick=True)
+    assert report["quick"] and "float32 (4099,)" in report["kernel_cases"]
+    assert [c["name"] for c in report["checks"]] == ["kernels scatter pageable -> cpu",
+                                                     "kernels gather cpu -> cpu"]
+
+
+class _GatherFlipsAByte(_FlipsAByte):
+    def gather_into(self, tensors, dim, dest):
+        out = self._real.gather_into(tensors, dim, dest)
+        if out.numel() > 5000:
+            out.view(-1)[4097:4098].view(torch.uint8)[:1].bitwise_xor_(4)
+        return out
+
+
+@needs_ext
+def test_kernel_check_fails_on_a_wrong_byte_in_a_large_gather(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(_backend, "_ext", _GatherFlipsAByte(_backend._ext))
+    assert main(["-k", "kernels gather cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  kernels gather cpu -> cpu" in out and "1 byte(s) differ" in out
