@@ -13,7 +13,8 @@ the number of devices). Tensors that cannot be flattened (sparse, quantized) for
 
 NOTE [ Transports ]
 Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
-own ``torch.cuda.comm.broadcast(out=)`` and ``torch.cuda.comm.reduce_add``, which issue one NCCL
+own ``broadcast(out=)`` and ``reduce_add`` (``torch.nn.parallel.comm``, which ``torch.cuda.comm``
+re-exports only once imported), which issue one NCCL
 call (torch's cached communicators) when the flats sit on distinct GPUs and fall back to copies
 otherwise (repeated ids). Everything runs on the calling thread's current stream of each device:
 the caller's streams for a refresh (the replicas then run on the same streams, NOTE [ The
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.parallel import comm as torch_comm
 
 __all__ = ["DEFAULT_CAP_MB", "FIRST_BUCKET_BYTES", "Layout", "assign_buckets", "cpu_distinct",
            "new_stats", "transport_for"]
@@ -121,14 +123,14 @@ class _CudaTransport:
             for d in dsts:
                 d.copy_(src, non_blocking=True)
             return
-        torch.cuda.comm.broadcast(src, out=list(dsts))  # one NCCL broadcast where it can
+        torch_comm.broadcast(src, out=list(dsts))  # one NCCL broadcast where it can
 
     @staticmethod
     def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
         if dest.type != "cuda" or all(f.device != dest for f in flats) or any(
                 f.layout != torch.strided for f in flats):
             return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
-        return torch.cuda.comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+        return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
 
 
 def transport_for(devices: Sequence[torch.device]) -> Any:

@@ -8,6 +8,8 @@ two-GPU variants at the end skip without two GPUs.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -362,3 +364,33 @@ def test_cuda_copy_rows_on_one_gpu_match_the_plain_module(monkeypatch):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close(p.grad, q.grad)
     assert fdp.comm_stats()["broadcasts"] == fdp.comm_stats()["buckets"] > 1
+
+
+def test_the_cuda_transport_is_torchs_one_call_per_bucket(monkeypatch):
+    """GPU review N9: the project's own NCCL communicator cache is gone (a clique per device
+    tuple, never freed, a failed init retried on every call); the CUDA transport is
+    torch's broadcast(out=)/reduce_add, whose communicators are nn.DataParallel's. It reaches
+    them through torch.nn.parallel.comm: ``torch.cuda.comm`` is an attribute only once imported
+    (an AttributeError on the first GPU step, found writing this test)."""
+    import pathlib
+
+    calls = []
+    monkeypatch.setattr(engine.torch_comm, "broadcast",
+                        lambda src, out: calls.append(("broadcast", len(out))))
+    monkeypatch.setattr(engine.torch_comm, "reduce_add",
+                        lambda flats, dest: calls.append(("reduce", len(flats))) or flats[0])
+    src = torch.ones(10)
+    engine._CudaTransport.broadcast(src, [torch.empty(10), torch.empty(10)])
+    class OnGpu:  # what the transport reads of a flat on cuda:0 (no GPU here)
+        device, layout = torch.device("cuda", 0), torch.strided
+
+    engine._CudaTransport.reduce([OnGpu()] * 3, torch.device("cuda", 0))
+    assert calls == [("broadcast", 2), ("reduce", 3)]
+    assert engine.transport_for([torch.device("cuda", 0)] * 2) is engine._CudaTransport
+    r = subprocess.run([sys.executable, "-c", "import torch, fastdp.engine as e; "
+                        "print(e.torch_comm.broadcast.__module__)"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.strip() == "torch.nn.parallel.comm", r.stderr
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert not list(root.glob("csrc/**/nccl*")), "an NCCL communicator of fastdp's own"
+    assert not any("ncclCommInit" in f.read_text() for f in root.glob("csrc/**/*.c*"))
