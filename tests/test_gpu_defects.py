@@ -259,3 +259,18 @@ def test_setup_stops_below_the_torch_floor(tmp_path) -> None:
     assert "fastdp needs torch >= 2.11 (found 2.4.0+cu121)" in r.stderr, r.stderr
     floor = re.search(r'"torch>=([\d.]+)"', (root / "pyproject.toml").read_text())[1]
     assert floor == "2.11"
+
+
+def test_pinned_pool_events_are_not_move_assigned() -> None:
+    """N6: erase(remove_if(...)) over a std::vector of CUDAEvents move-assigns the survivors, and
+    c10's CUDAEvent move-assignment overwrites the target's event without destroying it: one
+    leaked cudaEvent per completed copy. The leak is invisible to the pool's counters (and no GPU
+    is here), so this pins the container: a std::list, whose remove_if destroys in place."""
+    import pathlib
+    import re
+
+    src = (pathlib.Path(__file__).resolve().parents[1] / "csrc/cuda/pinned_pool.cpp").read_text()
+    code = re.sub(r"//[^\n]*", "", src)
+    assert re.search(r"std::list<at::cuda::CUDAEvent>\s+events", code)
+    assert not re.search(r"std::vector<\s*(at|c10)::cuda::CUDAEvent", code)
+    assert ".erase(" not in code.split("bool idle(")[1].split("}")[0]
