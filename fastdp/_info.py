@@ -15,7 +15,7 @@ _STAGES = {
 }
 # NOTE [ Buckets ], NOTE [ One reducer ]: the same engine whatever the extension does.
 _ENGINE = ("engine: flat buckets; CPU transport (copies, sums); CUDA transport "
-           "(torch.cuda.comm broadcast/reduce_add: NCCL between distinct GPUs, else copies)")
+           "(torch's broadcast/reduce_add: NCCL between distinct GPUs, else copies)")
 
 
 def _nccl_version() -> str | None:

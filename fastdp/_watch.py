@@ -29,26 +29,47 @@ and must then be rebuilt. The kinds of change, and what catches each, without a 
 
 Not seen: writes that bypass ``Module`` methods (``module.__dict__[k] = v``,
 ``module._modules[k] = m`` directly); call ``FastDataParallel.invalidate_replicas()`` after those.
+
+NOTE [ Opting out of the watch ]
+The wrap is process-wide: once a persistent wrapper has run a step, every ``nn.Module`` attribute
+write anywhere pays one Python call and an int-set lookup (the ``module-build`` bench row: a
+1000-layer model built with and without it). ``FASTDP_WATCH_MODULES=0`` (read when a wrapper is
+built) leaves ``nn.Module`` untouched; wrappers then replicate afresh every step as
+``nn.DataParallel`` does (``persistent=False``), since nothing would see the changes above.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
 
 from torch.nn import Module
 
-_watched: weakref.WeakSet = weakref.WeakSet()
-# replica -> (snapshot of its __dict__ without the parameter slots, the slot names)
-_snapshots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_dirty: weakref.WeakSet = weakref.WeakSet()
+# Membership by id: a set lookup of an int, no weakref made per call (the wrapper runs on every
+# nn.Module attribute write in the process). A finalizer drops the id when its module dies.
+_watched: set[int] = set()
+# replica id -> (snapshot of its __dict__ without the parameter slots, the slot names)
+_snapshots: dict[int, tuple[dict, frozenset]] = {}
+_hot: set[int] = set()  # the ids of both
+_dirty: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _generation = 0
 _lock = threading.Lock()
 _installed = False
 
 _PATCHED = ("__setattr__", "__delattr__", "add_module", "register_module", "register_parameter",
             "register_buffer", "_apply")
+
+
+def enabled() -> bool:
+    """Whether the watch may be installed: ``FASTDP_WATCH_MODULES=0`` opts out (NOTE
+    [ Opting out of the watch ])."""
+    return os.environ.get("FASTDP_WATCH_MODULES", "1") != "0"
+
+
+def installed() -> bool:
+    return _installed
 
 
 def generation() -> int:
@@ -64,22 +85,37 @@ def watch(modules: Any) -> None:
     """Start watching ``modules`` (the originals of a replica set)."""
     install()
     for m in modules:
-        _watched.add(m)
+        i = id(m)
+        if i not in _watched:
+            _watched.add(i)
+            _hot.add(i)
+            weakref.finalize(m, _forget, i)
+
+
+def _forget(i: int) -> None:
+    """A watched module or tracked replica died: its id may be reused."""
+    _watched.discard(i)
+    _snapshots.pop(i, None)
+    _hot.discard(i)
 
 
 def track_replica(replica: Module, protected: frozenset) -> None:
     """Remember ``replica``'s attributes (minus ``protected`` slots) to restore after a step."""
     install()
+    i = id(replica)
+    if i not in _snapshots:
+        _hot.add(i)
+        weakref.finalize(replica, _forget, i)
     d = replica.__dict__
-    _snapshots[replica] = ({k: v for k, v in d.items() if k not in protected}, protected)
+    _snapshots[i] = ({k: v for k, v in d.items() if k not in protected}, protected)
 
 
 def restore_dirty() -> None:
     """Undo attribute writes made on tracked replicas since their snapshot (DataParallel's
     fresh-replica semantics)."""
-    for r in list(_dirty):
-        _dirty.discard(r)
-        entry = _snapshots.get(r)
+    for i, r in list(_dirty.items()):
+        _dirty.pop(i, None)
+        entry = _snapshots.get(i)
         if entry is None:
             continue
         snap, protected = entry
@@ -94,18 +130,41 @@ def has_dirty() -> bool:
 
 
 def _wrap(name: str, orig: Any) -> Any:
-    marks_replicas = name in ("__setattr__", "__delattr__")
-
-    def wrapper(self, *args, **kwargs):
-        global _generation
-        try:
-            if self in _watched:
+    # The hot methods get fixed signatures: packing *args/**kwargs was most of the cost.
+    # Their parameter names are nn.Module's, for callers passing them by keyword.
+    if name == "__setattr__":
+        def wrapper(self, name, value):
+            global _generation
+            i = id(self)
+            if i in _hot:  # one lookup for the common case: a module nobody watches
+                if i in _watched:
+                    _generation += 1
+                elif i in _snapshots:
+                    _dirty[i] = self
+            return orig(self, name, value)
+    elif name == "register_parameter":
+        def wrapper(self, name, param):
+            global _generation
+            if id(self) in _watched:
                 _generation += 1
-            elif marks_replicas and self in _snapshots:
-                _dirty.add(self)
-        except TypeError:  # an unhashable module subclass cannot be watched (never cached)
-            pass
-        return orig(self, *args, **kwargs)
+            return orig(self, name, param)
+    elif name in ("add_module", "register_module"):
+        def wrapper(self, name, module):
+            global _generation
+            if id(self) in _watched:
+                _generation += 1
+            return orig(self, name, module)
+    else:
+        marks_replicas = name == "__delattr__"
+
+        def wrapper(self, *args, **kwargs):
+            global _generation
+            i = id(self)
+            if i in _watched:
+                _generation += 1
+            elif marks_replicas and i in _snapshots:
+                _dirty[i] = self
+            return orig(self, *args, **kwargs)
 
     wrapper.__name__ = name
     wrapper.__qualname__ = f"Module.{name}"
@@ -115,9 +174,10 @@ def _wrap(name: str, orig: Any) -> Any:
 
 
 def install() -> None:
-    """Wrap the mutating ``nn.Module`` methods once per process (idempotent, thread-safe)."""
+    """Wrap the mutating ``nn.Module`` methods once per process (idempotent, thread-safe); a
+    no-op when opted out."""
     global _installed
-    if _installed:
+    if _installed or not enabled():
         return
     with _lock:
         if _installed:

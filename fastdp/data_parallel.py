@@ -84,7 +84,8 @@ class FastDataParallel(DataParallel):
         output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
             for the CPU).
         dim: the dimension inputs are chunked along and outputs concatenated along.
-        persistent: keyword-only; keep replicas across steps (see NOTE [ Persistent replicas ]).
+        persistent: keyword-only; keep replicas across steps (see NOTE [ Persistent replicas ]);
+            off when FASTDP_WATCH_MODULES=0 (NOTE [ Opting out of the watch ] in _watch.py).
         chunk_sizes: keyword-only; rows per device (summing to the batch; 0 skips a device).
         balance: keyword-only; relative shares per device, turned into chunk sizes for every
             batch by largest-remainder rounding (0 skips a device). Exclusive with chunk_sizes.
@@ -131,7 +132,7 @@ class FastDataParallel(DataParallel):
         torch._C._log_api_usage_once("fastdp.FastDataParallel")
         self.module = module
         self.dim = dim
-        self.persistent = persistent
+        self.persistent = persistent and _watch.enabled()  # NOTE [ Opting out of the watch ]
         if not bucket_cap_mb > 0:
             raise ValueError(f"fastdp: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.bucket_cap_mb = bucket_cap_mb

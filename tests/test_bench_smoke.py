@@ -17,7 +17,7 @@ HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    suites = ["passthrough", "cpu-replicas", "overhead", "replicate"]
+    suites = ["passthrough", "cpu-replicas", "overhead", "replicate", "module-build"]
     doc = cli.main(["--tiny", "--no-progress", "--out", str(out), "--replicas", "2",
                     "--suite", *suites])
     return out, doc
@@ -45,13 +45,16 @@ def test_bench_records_cover_every_cpu_suite_and_mode(tiny_run):
                         ("passthrough", "torch_dp"), ("cpu-replicas", "fastdp"),
                         ("cpu-replicas", "fastdp_noext"), ("cpu-replicas", "dp_algo"),
                         ("overhead", "model_chunks"), ("overhead", "fastdp"),
-                        ("replicate", "fastdp"), ("replicate", "dp_algo")]:
+                        ("replicate", "fastdp"), ("replicate", "dp_algo"),
+                        ("module-build", "plain"), ("module-build", "watched")]:
         assert (suite, mode) in seen, (suite, mode)
     timed = [r for r in recs if r.get("status") == "ok"]
     assert timed and all({"min_ms", "median_ms", "max_ms"} <= set(r["time_ms"]) for r in timed)
     checked = [r for r in recs if r["suite"] == "cpu-replicas" and r["mode"] not in (
         "bare", "floor") and r.get("status") != "unsupported"]
     assert checked and all("check" in r for r in checked)
+    watched = [r for r in recs if r["suite"] == "module-build" and r["mode"] == "watched"]
+    assert watched and all(r["ratios"]["vs_plain"] > 0 for r in watched)
     over = [r for r in recs if r["suite"] == "overhead" and r["mode"] == "fastdp"]
     assert over and all("wrapper_calls_per_step" in r and "overhead_ms" in r for r in over)
     assert all({"total", "model", "outside"} <= set(r["calls"]) for r in over)

@@ -17,7 +17,7 @@ import torch
 from fastdp.bench import machine, plots, report, suite_compile, suites_cpu, suites_gpu
 from fastdp.bench.runner import Settings, Task, run_tasks
 
-CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate")
+CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build")
 GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
 MULTI_SUITES = ("multigpu-comm", "multigpu-replicate", "multigpu-steps")
 OPT_SUITES = ("compile",)  # only on request: compiling takes minutes
@@ -28,6 +28,7 @@ _PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
     "cpu-replicas": suites_cpu.cpu_replicas,
     "overhead": suites_cpu.overhead_tasks,
     "replicate": suites_cpu.replicate_tasks,
+    "module-build": suites_cpu.module_build_tasks,
     "overhead-cuda": lambda s: suites_cpu.overhead_tasks(s, device="cuda"),
     "gpu-comm": lambda s: suites_gpu.comm_tasks(s, multi=False),
     "gpu-replicate": lambda s: suites_gpu.replicate_gpu_tasks(s, multi=False),
@@ -57,7 +58,7 @@ def auto_suites() -> list[str]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         return list(CPU_SUITES)
-    chosen = list(GPU_SUITES) + ["overhead", "replicate"]
+    chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build"]
     return chosen + (list(MULTI_SUITES) if gpus >= 2 else [])
 
 

@@ -1,4 +1,4 @@
-"""CPU suites: pass-through overhead, CPU replicas, host overhead and calls per step, replicate().
+"""CPU suites: pass-through, CPU replicas, host overhead and calls per step, replicate(), the watch.
 
 ``passthrough``   ``FastDataParallel(m)`` without any GPU (``device_ids == []``: it just calls the
                   module) against the bare module and ``nn.DataParallel(m)`` (also a pass-through).
@@ -11,14 +11,17 @@
                   the model's own work (the bare module run on the same 4 chunks in turn).
 ``replicate``     steady-state ``replicate()`` of an n-layer ``nn.Sequential`` of ``Linear(32, 32)``
                   on 4 CPU replicas: ``FastDataParallel.replicate`` vs DataParallel's algorithm.
+``module-build``  building a 1000-layer model with the nn.Module watch installed vs without.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
 import fastdp.bench.workloads as wl
 from fastdp.bench import modes, timing
@@ -289,3 +292,43 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
         return list(recs.values())
 
     return [Task("replicate", f"{k} layers", lambda k=k: run(k)) for k in layers]
+
+
+def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
+    """The process-wide cost of the nn.Module watch (NOTE [ Opting out of the watch ]): building
+    ``nn.Sequential(Linear(32, 32) x layers)`` (default init) while a persistent wrapper is alive,
+    with the wrapped methods ("watched") and with nn.Module's own ("plain", swapped back for the
+    call), timed interleaved."""
+
+    def run() -> list[dict]:
+        import fastdp
+        from fastdp import _watch
+
+        base = {"suite": "module-build", "workload": f"mlp{layers}", "layers": layers}
+        recs = {m: {**base, "mode": m} for m in ("plain", "watched")}
+        alive = fastdp.FastDataParallel(wl.mlp(2), device_ids=["cpu"] * 2)
+        alive(torch.randn(4, 32))  # a persistent step installs the watch
+        if not _watch.installed():
+            for r in recs.values():
+                r.update(status="unsupported", error="FASTDP_WATCH_MODULES=0: no watch to time")
+            return list(recs.values())
+        wrapped = {n: getattr(nn.Module, n) for n in _watch._PATCHED}
+        plain = {n: f.__wrapped__ for n, f in wrapped.items()}
+
+        def build(table: dict) -> Callable[[], nn.Module]:
+            def fn() -> nn.Module:
+                for n, f in table.items():
+                    setattr(nn.Module, n, f)
+                try:
+                    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+                finally:
+                    for n, f in wrapped.items():
+                        setattr(nn.Module, n, f)
+            return fn
+
+        time_into(s, {m: build(plain if m == "plain" else wrapped) for m in recs}, recs)
+        del alive
+        return list(recs.values())
+
+    return [Task("module-build", f"mlp{layers}", run)]
+
