@@ -30,7 +30,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("grad_fn_use_count", &fastdp::grad_fn_use_count, py::arg("tensor"),
         "Number of owners of tensor.grad_fn's node (0 without one); see NOTE [ Persistent "
-        "replicas ] in fastdp/_persistent.py.");
+        "replicas ] in fastdp/replica_set.py.");
 
   // --- scatter / gather ---------------------------------------------------------------------
   m.def(

@@ -7,8 +7,8 @@ from fastdp._version import __version__
 from fastdp.checkpoint import unwrap
 from fastdp.criterion import ParallelCriterion, Scattered
 from fastdp.data_parallel import FastDataParallel, data_parallel
+from fastdp.distributed import shard_batch, wrap
 from fastdp.install import install, installed, uninstall
-from fastdp.launch import shard_batch, wrap
 
 # isort: split
 from fastdp._doctor import doctor  # after the modules it checks

@@ -8,7 +8,7 @@ that is mostly Python and op dispatch (small layers; on GPUs, where kernels are 
 forward) runs *slower* than in turn, its threads fighting over the GIL.
 ``inline``: each replica in turn on the caller's thread, under its device; the caller's current
 stream of that device and its grad/autocast state are in force already there (what a worker
-enters from ``capture_state``), so nothing else is entered (``run_here``). On a
+enters from ``capture_state``), so nothing else is entered (``run_in_turn``). On a
 GPU, replicas on distinct devices still run concurrently (the launches are asynchronous); on
 replicas sharing a device, or on CPU replicas of a dispatch-bound model, it is the chunked floor.
 ``auto`` (the default): per (device tuple, input signature, grad mode) the first steps are run

@@ -1,6 +1,7 @@
 """``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU virtual replicas.
 
-See DESIGN.md §1 for the contract kept and §2 for the deliberate fixes.
+The contract kept and the deliberate fixes: the README, *Usage* and *Deviations from
+nn.DataParallel*.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from fastdp._compiled import (
 )
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._launch import AutoLaunch, input_key, resolve_launch
-from fastdp._persistent import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._planner import chunk_sizes_for
 from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
@@ -39,9 +39,10 @@ from fastdp.parallel_apply import (
     must_run_concurrently,
     parallel_apply,
     raise_first_error,
-    run_here,
+    run_in_turn,
     run_replica,
 )
+from fastdp.replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
@@ -257,7 +258,7 @@ class FastDataParallel(DataParallel):
             if rs is not None and rs.in_order:  # NOTE [ Backward compiled with the forward ]
                 with backward_with_forward():
                     outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
-            elif rs is not None and not rs.meet:  # no SyncBatchNorm, no callbacks: nothing to arm
+            elif rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
                 outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
             else:
                 with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
@@ -438,7 +439,7 @@ class FastDataParallel(DataParallel):
     def _launch(self, launch: str, replicas: Sequence[Module], inputs: Sequence[Any],
                 kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> list[Any]:
         if launch == "inline":
-            return run_here(replicas, inputs, kwargs, devices)
+            return run_in_turn(replicas, inputs, kwargs, devices)
         state = capture_state(devices)  # in the caller: NOTE [ The caller's streams ]
         return self._pool.run([_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
                                for i in range(len(replicas))])

@@ -26,7 +26,7 @@ from fastdp._devices import as_device
 from fastdp._launch import resolve_launch
 
 __all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise",
-           "run_here", "must_run_concurrently"]
+           "run_in_turn", "must_run_concurrently"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -154,7 +154,7 @@ def must_run_concurrently(modules: Sequence[Module]) -> bool:
     return bool(_CONCURRENT) and bool(modules) and modules[0] in _CONCURRENT
 
 
-def run_here(modules: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]],
+def run_in_turn(modules: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]],
              devices: Sequence[torch.device]) -> list[Any]:
     """The ``inline`` strategy: each replica in turn on the caller's thread.
 
@@ -226,7 +226,7 @@ def parallel_apply(
         results[i] = run_replica(i, modules[i], inputs[i], kwargs_tup[i], devs[i], state)
 
     if resolve_launch(launch) == "inline" and not must_run_concurrently(modules):
-        results = run_here(modules, inputs, kwargs_tup, devs)
+        results = run_in_turn(modules, inputs, kwargs_tup, devs)
     elif len(modules) > 1:
         threads = [threading.Thread(target=work, args=(i,), daemon=True)
                    for i in range(len(modules))]

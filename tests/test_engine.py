@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 import fastdp.reducer
 from fastdp import FastDataParallel, comm, engine
-from fastdp._persistent import ReplicaSet
+from fastdp.replica_set import ReplicaSet
 from fastdp.testing import DTYPES, onlyMultiGPU
 
 

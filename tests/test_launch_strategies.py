@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-import fastdp._persistent as persistent
+import fastdp.replica_set as replica_set
 from fastdp import FastDataParallel
 from fastdp._launch import AutoLaunch
 from fastdp.parallel_apply import parallel_apply
@@ -240,13 +240,13 @@ def test_side_stream_forward_matches_plain_module(launch):
 def test_one_tensor_signature_per_steady_step(monkeypatch):
     data_parallel_mod = sys.modules["fastdp.data_parallel"]  # fastdp.data_parallel: the function
     calls = []
-    real = persistent.tensor_signature
+    real = replica_set.tensor_signature
 
     def counting(ts):
         calls.append(len(ts))
         return real(ts)
 
-    monkeypatch.setattr(persistent, "tensor_signature", counting)
+    monkeypatch.setattr(replica_set, "tensor_signature", counting)
     monkeypatch.setattr(data_parallel_mod, "tensor_signature", counting)
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     fdp = FastDataParallel(m, device_ids=CPU3)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fastdp
-from fastdp._persistent import ReplicaSet
+from fastdp.replica_set import ReplicaSet
 
 SIZES = (8, 8, 8, 5)  # uneven last micro-batch
 

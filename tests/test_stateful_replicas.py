@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from fastdp import FastDataParallel
-from fastdp._persistent import ReplicaSet
+from fastdp.replica_set import ReplicaSet
 
 pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
 

@@ -44,8 +44,7 @@
 // device's current stream, so the N copies of one scatter from cuda:0 queue one behind another;
 // here each runs on its destination's stream and they overlap. copy_ also knows neither
 // FASTDP_P2P=0 nor a failed verification (it copies peer to peer whenever torch enabled access).
-// The figure (fastdp.comm.scatter vs torch.nn.parallel.comm.scatter from a GPU) is pending the
-// first multi-GPU run: `python -m fastdp.bench --suite multigpu-comm`.
+// (`python -m fastdp.bench --suite multigpu-comm` compares the two scatters on 2+ GPUs.)
 //
 // Staged path (no usable P2P): windows of staged_copy_window() (transfer.h) bytes, each D2H into a
 // pinned block on src_stream, an event, H2D on dst_stream; without a block (pool off or full of

@@ -24,10 +24,8 @@
 // block is lent again only once all its events completed. The host thus never overwrites bytes a
 // pending copy still reads, and waits only when the pool is at capacity, then on the event of the
 // oldest in-flight block (one copy), never on a device-wide synchronisation. The difference is the
-// bound, not speed: with both, a staged scatter is one pinned memcpy per device. That the pool is
-// no slower than torch's per-leaf copies is measured by `python -m fastdp.bench --suite gpu-comm`
-// (scatter from pageable and pinned host memory, fastdp vs torch.nn.parallel.comm); the figure is
-// pending the first GPU run.
+// bound, not speed: with both, a staged scatter is one pinned memcpy per device (the choice
+// claims no speed; `python -m fastdp.bench --suite gpu-comm` compares the two on a GPU).
 //
 // Requests above the capacity get an empty handle and the caller takes an unstaged path. Sizes are
 // rounded (1 MiB steps, powers of two from 64 KiB below that) so steps with the same shapes reuse

@@ -1,7 +1,7 @@
-"""Training script for tests/test_launch.py: the same file runs under ``python`` and ``torchrun``.
+"""Training script for tests/test_distributed.py: one file, run by ``python`` and by ``torchrun``.
 
-``python _launch_train.py OUT`` trains with FastDataParallel on two CPU replicas;
-``torchrun --nproc_per_node 2 _launch_train.py OUT`` trains with DDP (gloo) on two processes.
+``python _distributed_train.py OUT`` trains with FastDataParallel on two CPU replicas;
+``torchrun --nproc_per_node 2 _distributed_train.py OUT`` trains with DDP (gloo) on two processes.
 Rank 0 saves the final bare state dict, the global loss of every step and the wrapper's type.
 """
 

@@ -207,13 +207,13 @@ class ReplicaSet(LeafAccumulation):
 
     def _runs_compiled_in_order(self) -> bool:
         """Whether the set runs compiled code on several replicas (NOTE [ Compiled replicas run
-        in order ]), unless replicas meet inside a forward (SyncBatchNorm, replication
+        in order ]), unless replicas interact inside a forward (SyncBatchNorm, replication
         callbacks): those must run together, on threads."""
         from fastdp.sync_batchnorm import _syncable
 
-        self.meet = any(_syncable(m) or hasattr(m, "__data_parallel_replicate__")
-                        for m in self.modules)
-        return len(self.devices) > 1 and not self.meet and (
+        self.replicas_interact = any(
+            _syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules)
+        return len(self.devices) > 1 and not self.replicas_interact and (
             self.compile_ctx is not None or any(is_compiled(m) for m in self.modules))
 
     def _assign(self, tensors: list[list[torch.Tensor]] | None = None) -> None:

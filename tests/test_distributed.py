@@ -13,7 +13,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import fastdp
-from fastdp import launch
+from fastdp import distributed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -55,7 +55,7 @@ def test_shard_batch_is_identity_in_one_process(single_process):
 @pytest.mark.parametrize("size,world", [(10, 3), (16, 2), (3, 8), (7, 4)])
 def test_shards_are_fastdataparallel_chunks(size, world):
     x = torch.arange(size * 2).view(size, 2)
-    shards = [launch._shard(x, r, world, 0, None) for r in range(world)]
+    shards = [distributed._shard(x, r, world, 0, None) for r in range(world)]
     chunks = list(torch.chunk(x, world))
     chunks += [x[:0]] * (world - len(chunks))  # ranks past the last chunk get no rows
     for s, c in zip(shards, chunks):
@@ -64,7 +64,7 @@ def test_shards_are_fastdataparallel_chunks(size, world):
 
 def test_shard_nested_batch_and_pass_non_tensors():
     batch = Batch({"a": torch.arange(6), "b": [torch.arange(12).view(6, 2)]}, "tag")
-    got = launch._shard(batch, 1, 2, 0, None)
+    got = distributed._shard(batch, 1, 2, 0, None)
     assert isinstance(got, Batch) and got.meta == "tag"
     assert torch.equal(got.x["a"], torch.arange(3, 6))
     assert torch.equal(got.x["b"][0], torch.arange(6, 12).view(3, 2))
@@ -94,7 +94,7 @@ def _env():
 
 
 def test_torchrun_ddp_matches_single_process_fastdataparallel(tmp_path):
-    script = str(HERE / "_launch_train.py")
+    script = str(HERE / "_distributed_train.py")
     single, multi = tmp_path / "single.pt", tmp_path / "ddp.pt"
     runs = [
         subprocess.Popen([sys.executable, script, str(single)], env=_env(),
