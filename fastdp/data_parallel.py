@@ -7,7 +7,6 @@ nn.DataParallel*.
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -19,7 +18,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _watch, engine
+from fastdp import _watch, engine, strategies
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
 from fastdp._compiled import (
@@ -29,18 +28,14 @@ from fastdp._compiled import (
     untraced_forward,
 )
 from fastdp._devices import as_device, as_devices, public_id
-from fastdp._launch import AutoLaunch, input_key, resolve_launch
 from fastdp._planner import chunk_sizes_for
 from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
 from fastdp.criterion import Scattered
 from fastdp.parallel_apply import (
-    capture_state,
     must_run_concurrently,
     parallel_apply,
     raise_first_error,
-    run_in_turn,
-    run_replica,
 )
 from fastdp.replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp.replicate import replicate
@@ -95,7 +90,7 @@ class FastDataParallel(DataParallel):
         launch: keyword-only; how replicas run: ``"threads"`` (one worker thread each),
             ``"inline"`` (in turn on the caller's thread) or ``"auto"`` (measure both, keep the
             faster). Default ``FASTDP_LAUNCH``, else ``"auto"``; see NOTE [ Launch strategies ]
-            in ``fastdp/_launch.py``. ``launch_report()`` shows what ``auto`` picked.
+            in ``fastdp/strategies.py``. ``launch_report()`` shows what ``auto`` picked.
         bucket_cap_mb: keyword-only; the size of the buckets replicas are refreshed and
             gradients reduced in (DDP's default 25; the first bucket at most 1 MiB). See
             NOTE [ Buckets ] in ``fastdp/engine.py``; ``comm_stats()`` counts the calls.
@@ -147,9 +142,8 @@ class FastDataParallel(DataParallel):
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple[int, Any] | None = None
         self._verified: Any = None  # this step's passed _checked; see _check_device_cached
-        self.launch = resolve_launch(launch)
+        self.strategy = strategies.make(launch)  # NOTE [ Launch strategies ]
         self.last_launch: str | None = None  # the strategy the last multi-replica step ran
-        self._auto = AutoLaunch()
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
         weakref.finalize(self, self._pool.shutdown)
@@ -411,45 +405,39 @@ class FastDataParallel(DataParallel):
         ``"inline"``: NOTE [ Compiled replicas run in order ] in ``fastdp/_compiled.py``)."""
         if devices is None:
             devices = self._devices[: len(replicas)]
-        launch = launch or self.launch
-        if launch != "threads" and must_run_concurrently(replicas):
-            launch = "threads"  # see NOTE [ Replicas that must run at once ]
+        strategy = self.strategy
+        if launch is not None and launch != strategy.name:
+            strategy = strategies.make(launch)
+        if must_run_concurrently(replicas):
+            strategy = strategies.THREADS  # see NOTE [ Replicas that must run at once ]
         if not self.persistent or len(replicas) < 2:
-            self.last_launch = "threads" if launch == "auto" else launch
-            return parallel_apply(replicas, inputs, kwargs, devices, launch=self.last_launch)
+            name = "threads" if strategy.name == "auto" else strategy.name
+            self.last_launch = name
+            return parallel_apply(replicas, inputs, kwargs, devices, launch=name)
         if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
             self._pool.drain()
             self.invalidate_replicas()
         kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
-        call = (replicas, inputs, kwargs, devices)
-        if launch != "auto":
-            self.last_launch = launch
-            results = self._launch(launch, *call)
-        else:  # see NOTE [ Launch strategies ]
-            key = (tuple(devices), input_key(inputs, kwargs), torch.is_grad_enabled())
-            launch, timed = self._auto.pick(key)
-            self.last_launch = launch
-            t0 = time.perf_counter()
-            results = self._launch(launch, *call)
-            if timed:
-                self._auto.record(key, launch, time.perf_counter() - t0)
+        results = strategy.run(replicas, inputs, kwargs, devices, self._pool)
+        self.last_launch = strategy.ran()
         raise_first_error(results)
         return results
 
-    def _launch(self, launch: str, replicas: Sequence[Module], inputs: Sequence[Any],
-                kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> list[Any]:
-        if launch == "inline":
-            return run_in_turn(replicas, inputs, kwargs, devices)
-        state = capture_state(devices)  # in the caller: NOTE [ The caller's streams ]
-        return self._pool.run([_Call(i, replicas[i], inputs[i], kwargs[i], devices[i], state)
-                               for i in range(len(replicas))])
+    @property
+    def launch(self) -> str:
+        """The launch strategy's name (``"threads"``, ``"inline"``, ``"auto"``); settable."""
+        return self.strategy.name
+
+    @launch.setter
+    def launch(self, value: str | None) -> None:
+        self.strategy = strategies.make(value)
 
     def launch_report(self) -> list[dict[str, Any]]:
         """What ``launch="auto"`` measured and chose, one record per (devices, inputs, grad):
         ``choice`` (``"threads"``/``"inline"``, None while measuring), ``threads_ms``/``inline_ms``
         (median forward wall times of the last trial) and ``trials``. Empty under a forced
         strategy."""
-        return self._auto.report()
+        return self.strategy.report()
 
     def gather(self, outputs: Any, output_device: Any, *,
                weights: Sequence[int] | None = None) -> Any:
@@ -457,20 +445,6 @@ class FastDataParallel(DataParallel):
         each replica's rows, for ``"mean"``)."""
         return gather(outputs, _dev(output_device, self), dim=self.dim,
                       scalars=self.scalar_outputs, weights=weights)
-
-
-class _Call:
-    """One replica's task for the worker pool (a callable holding no reference to the wrapper)."""
-
-    __slots__ = ("args",)
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-
-    def __call__(self) -> Any:
-        out = run_replica(*self.args)
-        self.args = None
-        return out
 
 
 def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:

@@ -5,7 +5,7 @@ carries only the CUDA flag) reach every replica; CUDA replicas run under their d
 caller's current stream of that device (read in the caller: see NOTE [ The caller's streams ]). A
 replica's exception is re-raised in the caller as its own type with ``Caught X in replica i on
 device d.`` and the original traceback, whichever launch strategy ran it
-(see NOTE [ Launch strategies ] in ``fastdp/_launch.py``).
+(see NOTE [ Launch strategies ] in ``fastdp/strategies.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from torch.nn import Module
 from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp._devices import as_device
-from fastdp._launch import resolve_launch
 
 __all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise",
-           "run_in_turn", "must_run_concurrently"]
+           "run_in_turn", "run_on_threads", "must_run_concurrently"]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -218,16 +217,29 @@ def parallel_apply(
         )
     else:
         devs = [as_device(d) for d in devices]
+    from fastdp import strategies  # they build on this module
+
+    strategy = strategies.make(launch)
+    if must_run_concurrently(modules):
+        strategy = strategies.THREADS
     _wait_for_stragglers()
-    state = capture_state(devs)
+    results = strategy.run(modules, inputs, kwargs_tup, devs)  # no pool: auto means threads
+    raise_first_error(results)
+    return results
+
+
+def run_on_threads(modules: Sequence[Module], inputs: Sequence[Any],
+                   kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> list[Any]:
+    """The ``threads`` strategy without a worker pool: one fresh thread per replica (torch's
+    ``parallel_apply``), one replica on the caller's thread."""
+    _wait_for_stragglers()
+    state = capture_state(devices)
     results: list[Any] = [None] * len(modules)
 
     def work(i: int) -> None:
-        results[i] = run_replica(i, modules[i], inputs[i], kwargs_tup[i], devs[i], state)
+        results[i] = run_replica(i, modules[i], inputs[i], kwargs[i], devices[i], state)
 
-    if resolve_launch(launch) == "inline" and not must_run_concurrently(modules):
-        results = run_in_turn(modules, inputs, kwargs_tup, devs)
-    elif len(modules) > 1:
+    if len(modules) > 1:
         threads = [threading.Thread(target=work, args=(i,), daemon=True)
                    for i in range(len(modules))]
         try:
@@ -240,7 +252,6 @@ def parallel_apply(
             raise
     elif modules:
         work(0)
-    raise_first_error(results)
     return results
 
 

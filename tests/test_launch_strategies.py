@@ -1,4 +1,4 @@
-"""Launch strategies (NOTE [ Launch strategies ] in fastdp/_launch.py) and the caller's streams.
+"""Launch strategies (NOTE [ Launch strategies ] in fastdp/strategies.py) and the caller's streams.
 
 The end-to-end suites run under each strategy (NOTE [ Tests under each launch strategy ]); this
 file tests what is specific to choosing one: the keyword and FASTDP_LAUNCH, the rule that forces
@@ -18,8 +18,8 @@ from torch.testing import assert_close
 
 import fastdp.replica_set as replica_set
 from fastdp import FastDataParallel
-from fastdp._launch import AutoLaunch
 from fastdp.parallel_apply import parallel_apply
+from fastdp.strategies import Auto
 from fastdp.testing import onlyCUDA
 
 CPU3 = ["cpu"] * 3
@@ -116,25 +116,25 @@ def test_inline_errors_name_the_replica_and_still_run_every_replica():
 
 
 def test_auto_times_both_then_keeps_the_faster():
-    auto = AutoLaunch()
+    auto = Auto()
     key = (("cpu",), (1,), True)
     ran = []
     fake = {"threads": 2.0, "inline": 1.0}
-    for _ in range(2 * AutoLaunch.WARMUP + 2 * AutoLaunch.TRIALS):
+    for _ in range(2 * Auto.WARMUP + 2 * Auto.TRIALS):
         s, timed = auto.pick(key)
         ran.append((s, timed))
         if timed:
             auto.record(key, s, fake[s])
     assert ran[:2] == [("threads", False), ("inline", False)]
-    assert ran[2:] == [("threads", True), ("inline", True)] * AutoLaunch.TRIALS
+    assert ran[2:] == [("threads", True), ("inline", True)] * Auto.TRIALS
     assert auto.pick(key) == ("inline", False)
     (rec,) = auto.report()
     assert rec["choice"] == "inline" and rec["threads_ms"] == 2000.0 and rec["inline_ms"] == 1000.0
 
 
 def test_auto_rechecks_after_recheck_steps(monkeypatch):
-    monkeypatch.setattr(AutoLaunch, "RECHECK", 20)
-    auto = AutoLaunch()
+    monkeypatch.setattr(Auto, "RECHECK", 20)
+    auto = Auto()
     key = ("k",)
     fake = {"threads": 2.0, "inline": 1.0}
     picks = []
@@ -152,7 +152,7 @@ def test_auto_rechecks_after_recheck_steps(monkeypatch):
 def test_auto_keys_by_input_signature_and_records_its_choice():
     m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     fdp = FastDataParallel(m, device_ids=CPU3, launch="auto")
-    steps = 2 * AutoLaunch.WARMUP + 2 * AutoLaunch.TRIALS
+    steps = 2 * Auto.WARMUP + 2 * Auto.TRIALS
     for _ in range(steps):
         fdp(torch.randn(6, 8)).sum().backward()
     fdp(torch.randn(9, 8))
@@ -259,3 +259,29 @@ def test_one_tensor_signature_per_steady_step(monkeypatch):
         m[0].weight.data = torch.randn(4, 4)
     x = torch.randn(6, 4)
     assert_close(fdp(x), m(x))
+
+
+def test_a_new_strategy_is_one_class(monkeypatch):
+    """Strategies are objects chosen in one place (fastdp/strategies.py): this one runs the
+    replicas last to first on the caller's thread and needs nothing else."""
+    from fastdp import strategies
+
+    order = []
+
+    class LastFirst(strategies.Strategy):
+        name = "last-first"
+
+        def run(self, modules, inputs, kwargs, devices, pool=None):
+            out = [None] * len(modules)
+            for i in reversed(range(len(modules))):
+                order.append(i)
+                out[i] = strategies.INLINE.run(modules[i:i + 1], inputs[i:i + 1],
+                                               kwargs[i:i + 1], devices[i:i + 1])[0]
+            return out
+
+    monkeypatch.setitem(strategies._STRATEGIES, "last-first", LastFirst)
+    m = nn.Linear(4, 2)
+    fdp = FastDataParallel(m, device_ids=CPU3, launch="last-first")
+    x = torch.randn(6, 4)
+    assert_close(fdp(x), m(x))
+    assert order == [2, 1, 0] and fdp.last_launch == "last-first" and fdp.launch == "last-first"

@@ -1,4 +1,6 @@
-"""How a step's replicas are launched: ``threads``, ``inline``, or ``auto`` (measured).
+"""Launch strategies: how a step's replicas run. One class each; ``make(name)`` picks one.
+
+Adding a strategy is one ``Strategy`` subclass and one entry in ``_STRATEGIES``.
 
 NOTE [ Launch strategies ]
 ``threads``: one persistent worker thread per replica (``fastdp._workers``), as DataParallel's
@@ -25,25 +27,83 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn import Module
 
-__all__ = ["LAUNCHES", "resolve_launch", "AutoLaunch", "input_key"]
+from fastdp._workers import WorkerPool
+from fastdp.parallel_apply import capture_state, run_in_turn, run_on_threads, run_replica
 
-LAUNCHES = ("auto", "threads", "inline")
-_TRIED = ("threads", "inline")
+__all__ = ["Strategy", "Threads", "Inline", "Auto", "THREADS", "INLINE", "LAUNCHES", "make",
+           "resolve_launch", "input_key"]
 
 
-def resolve_launch(launch: str | None) -> str:
-    """``launch``, else ``FASTDP_LAUNCH``, else ``"auto"``; raises ValueError on anything else."""
-    where = ""
-    if launch is None:
-        launch, where = os.environ.get("FASTDP_LAUNCH") or "auto", " (from FASTDP_LAUNCH)"
-    if launch not in LAUNCHES:
-        raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}{where}")
-    return launch
+class Strategy:
+    """Runs one step's replicas: ``run`` returns their outputs, a replica's error wrapped as
+    ``run_replica`` wraps it (the caller raises the first). ``pool``: the wrapper's persistent
+    workers, or None for a one-off call (``fastdp.parallel_apply``)."""
+
+    name = ""
+
+    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
+            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
+            pool: WorkerPool | None = None) -> list[Any]:
+        raise NotImplementedError
+
+    def ran(self) -> str:
+        """The strategy the last ``run`` used (``auto`` says which it picked)."""
+        return self.name
+
+    def report(self) -> list[dict[str, Any]]:
+        """What the strategy measured (``auto`` only)."""
+        return []
+
+
+class Threads(Strategy):
+    """One thread per replica: the wrapper's persistent workers, else fresh threads."""
+
+    name = "threads"
+
+    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
+            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
+            pool: WorkerPool | None = None) -> list[Any]:
+        if pool is None:
+            return run_on_threads(modules, inputs, kwargs, devices)
+        state = capture_state(devices)  # in the caller: NOTE [ The caller's streams ]
+        return pool.run([_Call(i, modules[i], inputs[i], kwargs[i], devices[i], state)
+                         for i in range(len(modules))])
+
+
+class Inline(Strategy):
+    """Each replica in turn on the caller's thread."""
+
+    name = "inline"
+
+    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
+            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
+            pool: WorkerPool | None = None) -> list[Any]:
+        return run_in_turn(modules, inputs, kwargs, devices)
+
+
+class _Call:
+    """One replica's task for the worker pool (a callable holding no reference to the wrapper)."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __call__(self) -> Any:
+        out = run_replica(*self.args)
+        self.args = None
+        return out
+
+
+THREADS, INLINE = Threads(), Inline()
 
 
 def key_leaves(x: Any, out: list) -> None:
@@ -74,6 +134,9 @@ def input_key(inputs: Any, kwargs: Any) -> tuple:
     return tuple(out)
 
 
+_TRIED = ("threads", "inline")  # what auto measures, by name; ties go to the first
+
+
 class _Entry:
     __slots__ = ("plan", "times", "choice", "steps", "trials")
 
@@ -85,8 +148,11 @@ class _Entry:
         self.trials = 0
 
 
-class AutoLaunch:
-    """``auto``'s measurements and choices, per key (see NOTE [ Launch strategies ])."""
+class Auto(Strategy):
+    """Measures the strategies of ``_TRIED`` per key and keeps the faster (NOTE [ Launch
+    strategies ]); a one-off call (no pool) runs on threads."""
+
+    name = "auto"
 
     WARMUP = 1  # untimed steps per strategy before the first trial
     TRIALS = 3  # timed steps per strategy in a trial
@@ -95,6 +161,25 @@ class AutoLaunch:
 
     def __init__(self) -> None:
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self.last: str | None = None
+
+    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
+            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
+            pool: WorkerPool | None = None) -> list[Any]:
+        if pool is None:
+            self.last = "threads"
+            return THREADS.run(modules, inputs, kwargs, devices)
+        key = (tuple(devices), input_key(inputs, kwargs), torch.is_grad_enabled())
+        name, timed = self.pick(key)
+        self.last = name
+        t0 = time.perf_counter()
+        out = _STRATEGIES[name]().run(modules, inputs, kwargs, devices, pool)
+        if timed:
+            self.record(key, name, time.perf_counter() - t0)
+        return out
+
+    def ran(self) -> str:
+        return self.last or "threads"
 
     def pick(self, key: tuple) -> tuple[str, bool]:
         """The strategy for this step of ``key`` and whether to time it (``record``)."""
@@ -139,3 +224,22 @@ class AutoLaunch:
                 rec[f"{s}_ms"] = statistics.median(t) * 1e3 if t else None
             out.append(rec)
         return out
+
+
+_STRATEGIES = {"threads": lambda: THREADS, "inline": lambda: INLINE, "auto": Auto}
+LAUNCHES = tuple(_STRATEGIES)
+
+
+def resolve_launch(launch: str | None) -> str:
+    """``launch``, else ``FASTDP_LAUNCH``, else ``"auto"``; raises ValueError on anything else."""
+    where = ""
+    if launch is None:
+        launch, where = os.environ.get("FASTDP_LAUNCH") or "auto", " (from FASTDP_LAUNCH)"
+    if launch not in _STRATEGIES:
+        raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}{where}")
+    return launch
+
+
+def make(launch: str | None) -> Strategy:
+    """The strategy named ``launch`` (see ``resolve_launch``); a fresh ``Auto`` each call."""
+    return _STRATEGIES[resolve_launch(launch)]()
