@@ -33,10 +33,7 @@ def info() -> dict[str, Any]:
     gpus = []
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    backend = {
-        stage: ("extension" if ext is not None and hasattr(ext, fn) else "torch")
-        for stage, fn in _STAGES.items()
-    }
+    backend = {stage: "extension" if ext is not None else "torch" for stage in _STAGES}
     backend.update(plan="python (torch.chunk sizes; NOTE [ DataParallel's chunking ])",
                    refresh=_ENGINE, reduce=_ENGINE)
     return {

@@ -41,7 +41,7 @@ def _copy_ext(
     promotion, torch.cat does).
     """
     ext = _backend.ext()
-    if ext is None or not hasattr(ext, "scatter_chunks"):
+    if ext is None:
         return None
     kinds = {t.device.type for t in tensors} | {d.type for d in devices}
     if not kinds <= {"cpu", "cuda"} or ("cuda" in kinds and not _ext_has_cuda()):

@@ -41,7 +41,7 @@ from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
 def tensor_signature(tensors: list[torch.Tensor]) -> Any:
     """Identity/shape/dtype/device/requires_grad of ``tensors``, one C++ call when available."""
     ext = _backend.ext()
-    if ext is not None and hasattr(ext, "tensor_signature"):
+    if ext is not None:
         return ext.tensor_signature(tensors)
     return tuple((id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
                  for t in tensors)

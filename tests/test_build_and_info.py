@@ -74,3 +74,19 @@ def test_broken_build_warns_once_and_falls_back(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, cwd=tmp_path).stdout
     assert out.startswith("1 ") and "simulated broken build" in out
+
+
+def test_a_stale_build_missing_a_function_counts_as_not_loaded() -> None:
+    """fastdp/_backend.py decides in one place: no call site asks the extension what it has."""
+    import subprocess
+    import sys
+
+    code = ("import sys, types; fake = types.ModuleType('fastdp._C'); "
+            "fake.build_info = lambda: []; sys.modules['fastdp._C'] = fake; "
+            "from fastdp import _backend; import fastdp; "
+            "assert _backend.ext() is None and not _backend.loaded(); "
+            "print(_backend.load_error())")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stale build of fastdp._C lacks scatter_chunks, gather_into" in r.stdout
