@@ -33,11 +33,11 @@ runs.
 the wrapper ] in ``fastdp/data_parallel.py``.
 
 Nothing here imports ``torch._dynamo`` (2 s): a module can only be compiled once it is imported.
+The private torch APIs this needs live in ``fastdp/_torch_private.py``.
 """
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,9 +46,11 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from fastdp import _torch_private
+
 
 def _eval_frame() -> Any:
-    return sys.modules.get("torch._dynamo.eval_frame")
+    return _torch_private.dynamo_module("eval_frame")
 
 
 def is_optimized(m: Module) -> bool:
@@ -62,14 +64,7 @@ def is_compiled(m: Module) -> bool:
     return is_optimized(m) or m.__dict__.get("_compiled_call_impl") is not None
 
 
-def context_of_function(fn: Any) -> Any:
-    """The ``_TorchDynamoContext`` of a function ``torch.compile`` returned, or None."""
-    ef = _eval_frame()
-    code = getattr(fn, "__code__", None)
-    if ef is None or code is None or "self" not in code.co_freevars:
-        return None
-    ctx = fn.__closure__[code.co_freevars.index("self")].cell_contents
-    return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
+context_of_function = _torch_private.dynamo_context_of
 
 
 def replicate_module(m: Module) -> Module:
@@ -169,7 +164,7 @@ _budget: dict[str, int] = {}
 def budget_for(num_replicas: int) -> None:
     """Scale dynamo's recompile limits to ``num_replicas`` (NOTE [ One compile budget per
     device ]); a no-op before ``torch._dynamo`` is imported (nothing is compiled then)."""
-    cfg = sys.modules.get("torch._dynamo.config")
+    cfg = _torch_private.dynamo_module("config")
     if cfg is None or num_replicas <= 1:
         return
     for name in ("recompile_limit", "accumulated_recompile_limit"):
@@ -192,7 +187,7 @@ def budget_for(num_replicas: int) -> None:
 # (a forward that never runs backward pays for its compile: the price of no lock in backward).
 @contextmanager
 def backward_with_forward() -> Iterator[None]:
-    cfg = sys.modules.get("torch._functorch.config")
+    cfg = _torch_private.functorch_config()
     if cfg is None or not hasattr(cfg, "force_non_lazy_backward_lowering"):
         yield
         return
@@ -207,20 +202,7 @@ def mark_static(tensors: Any) -> None:
             t._dynamo_static_input_type = "unguarded"
 
 
-def enclosing_context() -> Any:
-    """The dynamo context of the innermost ``torch.compile``'d call on this thread's stack, or
-    None: what compiled a caller that dynamo handed back to eager at a disabled frame."""
-    ef = _eval_frame()
-    if ef is None:
-        return None
-    f, name = sys._getframe(1), ef.__file__
-    while f is not None:
-        code = f.f_code
-        if code.co_name == "compile_wrapper" and code.co_filename == name:
-            ctx = f.f_locals.get("self")
-            return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
-        f = f.f_back
-    return None
+enclosing_context = _torch_private.enclosing_dynamo_context
 
 
 def context_from_options(**options: Any) -> Any:
@@ -265,4 +247,4 @@ _forward_from_compile.__qualname__ = (
     "FastDataParallel.forward [fastdp's host orchestration is not traced; for fullgraph=True "
     "call model.compile(fullgraph=True) on the FastDataParallel, or wrap "
     "torch.compile(module, fullgraph=True)]")
-untraced_forward = torch._disable_dynamo(_forward_from_compile)
+untraced_forward = _torch_private.disable_dynamo(_forward_from_compile)

@@ -18,7 +18,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _watch, engine, strategies
+from fastdp import _torch_private, _watch, engine, strategies
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
 from fastdp._compiled import (
@@ -46,11 +46,7 @@ __all__ = ["FastDataParallel", "data_parallel"]
 
 _ZERO_STATS = engine.new_stats()
 
-# The profiler's label of a step, as DataParallel's record_function; the C++ context manager
-# inductor uses costs ~0.5 us where record_function costs ~11 (it builds a Python object and
-# calls a dispatcher op even when no profiler runs).
-_record_function = getattr(torch._C._profiler, "_RecordFunctionFast",
-                           torch.autograd.profiler.record_function)
+_record_function = _torch_private.record_function  # the step's profiler label
 
 
 def _check_device(module: Module, src: torch.device) -> None:
@@ -125,7 +121,7 @@ class FastDataParallel(DataParallel):
         scalar_outputs: str = "stack",
     ) -> None:
         Module.__init__(self)
-        torch._C._log_api_usage_once("fastdp.FastDataParallel")
+        _torch_private.log_api_usage_once("fastdp.FastDataParallel")
         self.module = module
         self.dim = dim
         self.persistent = persistent and _watch.enabled()  # NOTE [ Opting out of the watch ]

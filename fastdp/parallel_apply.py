@@ -18,11 +18,11 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch._utils import ExceptionWrapper
 from torch.nn import Module
 from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp._devices import as_device
+from fastdp._torch_private import ExceptionWrapper
 
 __all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise",
            "run_in_turn", "run_on_threads", "must_run_concurrently"]

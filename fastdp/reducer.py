@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
+from fastdp import _torch_private
 from fastdp.engine import assign_buckets, count, transport_for
-
-_MAX_SEQUENCE_NR = 2**64 - 1
 
 
 def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
@@ -133,10 +132,9 @@ class BucketGroup:
         if self.queued or len(self.sources) < 2:
             return
         self.queued = True
-        will_run = getattr(torch._C, "_will_engine_execute_node", None)
         edges = [f for f, _ in node.next_functions if f is not None]
-        if will_run is not None and edges and will_run(edges[0]):
-            torch.autograd.Variable._execution_engine.queue_callback(self._zero_unreached)
+        if edges and _torch_private.will_engine_execute_node(edges[0]):
+            _torch_private.queue_engine_callback(self._zero_unreached)
 
     def _zero_unreached(self) -> None:
         ran, self.ran, self.queued = self.ran, set(), False
@@ -188,6 +186,6 @@ def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
     """Apply the bucket's node (grad mode on) and give it the earliest turn in backward."""
     outs = BucketReduce.apply(link, rows, *sources)
     node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
-    if node is not None and hasattr(node, "_set_sequence_nr"):
-        node._set_sequence_nr(_MAX_SEQUENCE_NR)
+    if node is not None:
+        _torch_private.set_sequence_nr(node)
     return node

@@ -1,0 +1,96 @@
+"""Every private torch API fastdp reaches, in one place.
+
+Each is used where torch offers no public way; each has a fallback that keeps results right (only
+slower or less informative) when a torch release drops it, and tests/test_torch_private.py fails
+loudly when one is gone or behaves differently, so a change is seen in CI, not by a user.
+Dynamo's modules are read from ``sys.modules`` (never imported here: 2 s): a module can only be
+compiled once they are imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch._utils import ExceptionWrapper  # torch.nn.parallel's own replica error wrapper
+
+__all__ = ["ExceptionWrapper", "record_function", "log_api_usage_once", "set_sequence_nr",
+           "will_engine_execute_node", "queue_engine_callback", "dynamo_module",
+           "functorch_config", "dynamo_context_of", "enclosing_dynamo_context", "disable_dynamo"]
+
+MAX_SEQUENCE_NR = 2**64 - 1
+
+# The profiler's label of a step, as DataParallel's record_function; the C++ context manager
+# inductor uses costs ~0.5 us where record_function costs ~11 (it builds a Python object and
+# calls a dispatcher op even when no profiler runs).
+record_function = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast",
+                          torch.autograd.profiler.record_function)
+
+
+def log_api_usage_once(name: str) -> None:
+    """torch's usage logging, as nn.DataParallel's constructor does."""
+    log = getattr(torch._C, "_log_api_usage_once", None)
+    if log is not None:
+        log(name)
+
+
+def set_sequence_nr(node: Any, nr: int = MAX_SEQUENCE_NR) -> bool:
+    """Give an autograd node the earliest turn among ready nodes (the engine runs the highest
+    sequence number first); False when this torch cannot (the node then runs in its turn)."""
+    if not hasattr(node, "_set_sequence_nr"):
+        return False
+    node._set_sequence_nr(nr)
+    return True
+
+
+def will_engine_execute_node(node: Any) -> bool | None:
+    """Whether the running backward will execute ``node`` (None: this torch cannot say)."""
+    fn = getattr(torch._C, "_will_engine_execute_node", None)
+    return None if fn is None else bool(fn(node))
+
+
+def queue_engine_callback(fn: Any) -> None:
+    """Run ``fn`` when the running backward finishes (DDP's reducer does the same)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def dynamo_module(name: str) -> Any:
+    """``torch._dynamo.<name>`` if dynamo is imported, else None."""
+    return sys.modules.get(f"torch._dynamo.{name}")
+
+
+def functorch_config() -> Any:
+    return sys.modules.get("torch._functorch.config")
+
+
+def dynamo_context_of(fn: Any) -> Any:
+    """The ``_TorchDynamoContext`` a function ``torch.compile`` returned closes over, or None."""
+    ef = dynamo_module("eval_frame")
+    code = getattr(fn, "__code__", None)
+    if ef is None or code is None or "self" not in code.co_freevars:
+        return None
+    ctx = fn.__closure__[code.co_freevars.index("self")].cell_contents
+    return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
+
+
+def enclosing_dynamo_context() -> Any:
+    """The dynamo context of the innermost ``torch.compile``'d call on this thread's stack, or
+    None: what compiled a caller that dynamo handed back to eager at a disabled frame (the frame
+    of eval_frame's ``compile_wrapper`` holds it as ``self``)."""
+    ef = dynamo_module("eval_frame")
+    if ef is None:
+        return None
+    f, name = sys._getframe(1), ef.__file__
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename == name:
+            ctx = f.f_locals.get("self")
+            return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
+        f = f.f_back
+    return None
+
+
+def disable_dynamo(fn: Any) -> Any:
+    """``fn`` as a frame dynamo never traces (one clean graph break), without importing dynamo."""
+    return torch._disable_dynamo(fn)
