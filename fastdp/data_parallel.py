@@ -245,8 +245,7 @@ class FastDataParallel(DataParallel):
             rs, self._step_rs = self._step_rs, None
             if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
                 on["launch"] = "inline"
-            if rs is not None and rs.in_order:  # NOTE [ Backward compiled with the forward ]
-                with backward_with_forward():
+                with backward_with_forward():  # NOTE [ Backward compiled with the forward ]
                     outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
             elif rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
                 outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
@@ -414,8 +413,10 @@ class FastDataParallel(DataParallel):
             self._pool.drain()
             self.invalidate_replicas()
         kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
-        results = strategy.run(replicas, inputs, kwargs, devices, self._pool)
-        self.last_launch = strategy.ran()
+        try:
+            results = strategy.run(replicas, inputs, kwargs, devices, self._pool)
+        finally:  # also when interrupted: what ran is what the next step must wait for
+            self.last_launch = strategy.ran()
         raise_first_error(results)
         return results
 
