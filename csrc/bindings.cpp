@@ -4,6 +4,7 @@
 
 #include <optional>
 
+#include "bucket_reduce.h"
 #include "build_info.h"
 #include "gather.h"
 #include "scatter.h"
@@ -11,6 +12,27 @@
 #include "transfer.h"
 
 namespace py = pybind11;
+
+namespace {
+
+// A Python callable owned from C++ (an autograd node may die on any thread): released with the
+// GIL held, or leaked once the interpreter is finalizing.
+struct PyFn {
+  py::object fn;
+  explicit PyFn(py::object f) : fn(std::move(f)) {}
+  PyFn(const PyFn&) = delete;
+  PyFn& operator=(const PyFn&) = delete;
+  ~PyFn() {
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+      py::gil_scoped_acquire gil;
+      fn = py::object();
+    } else {
+      fn.release();
+    }
+  }
+};
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastdp C++/CUDA core";
@@ -27,6 +49,30 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"),
       "64-bit hash of the identity, storage, shape, strides, dtype, device and requires_grad of "
       "each tensor (not values): persistent replicas are rebuilt when it changes.");
+
+  m.def(
+      "bucket_reduce_link",
+      [](const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& replicas,
+         at::Device dest, py::object on_backward, py::object reduce_rows) {
+        auto ob = std::make_shared<PyFn>(std::move(on_backward));
+        auto rr = std::make_shared<PyFn>(std::move(reduce_rows));
+        auto hooks = std::make_shared<fastdp::BucketHooks>();
+        hooks->on_backward = [ob](bool local) {
+          py::gil_scoped_acquire gil;
+          ob->fn(local);
+        };
+        hooks->reduce_rows = [rr](const std::vector<std::vector<at::Tensor>>& rows) {
+          py::gil_scoped_acquire gil;
+          return rr->fn(rows).cast<std::vector<at::Tensor>>();
+        };
+        return fastdp::bucket_reduce_link(sources, replicas, dest, std::move(hooks));
+      },
+      py::arg("sources"), py::arg("replicas"), py::arg("dest"), py::arg("on_backward"),
+      py::arg("reduce_rows"),
+      "One bucket's reduce node (NOTE [ Early reduction ] in fastdp/reducer.py): the replica "
+      "tensors (row-major) become its outputs; backward calls on_backward(local) once, sums "
+      "same-device rows itself (one multi-tensor add per replica) or calls reduce_rows(rows), "
+      "and hands the sums to the sources' gradient edges. Returns the replica tensors.");
 
   m.def("grad_fn_use_count", &fastdp::grad_fn_use_count, py::arg("tensor"),
         "Number of owners of tensor.grad_fn's node (0 without one); see NOTE [ Persistent "

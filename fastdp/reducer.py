@@ -17,6 +17,10 @@ DataParallel's total). Autograd runs ready nodes highest sequence number first, 
 before the forward would wait for the whole backward; so each node gets the sequence number
 ``AccumulateGrad`` has (the maximum) and runs as soon as every replica's gradients for its bucket
 exist, while earlier layers are still in backward: DDP's early bucket launch, in one process.
+With the extension the node is C++ (``csrc/bucket_reduce.cpp``, made once per tensor set): it
+sums same-device rows itself (the same multi-tensor adds as ``reduce_add``) and calls Python once
+per bucket, where a Python Function pays ~2 us per gradient; rows on other devices go to
+``reduce_add``. Without it, ``BucketReduce`` below, made every step.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from fastdp import _torch_private
+from fastdp import _backend, _torch_private
 from fastdp.engine import assign_buckets, count, transport_for
 
 
@@ -127,13 +131,16 @@ class BucketGroup:
         if self.queued:
             self.ran, self.queued = set(), False
 
-    def bucket_ran(self, b: int, node: Any) -> None:
+    def bucket_ran(self, b: int, edge: Any = None, node: Any = None) -> None:
+        """Bucket ``b``'s node runs; ``edge``: the node its first source's gradient goes to,
+        else found from the bucket's ``node`` (only when needed: once per backward)."""
         self.ran.add(b)
         if self.queued or len(self.sources) < 2:
             return
         self.queued = True
-        edges = [f for f, _ in node.next_functions if f is not None]
-        if edges and _torch_private.will_engine_execute_node(edges[0]):
+        if edge is None and node is not None:
+            edge = first_edge(node)
+        if edge is not None and _torch_private.will_engine_execute_node(edge):
             _torch_private.queue_engine_callback(self._zero_unreached)
 
     def _zero_unreached(self) -> None:
@@ -148,12 +155,23 @@ class BucketGroup:
 class BucketLink:
     """What a bucket's node needs in backward; holds no replica tensor (no cycles)."""
 
-    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group")
+    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group", "edge")
 
     def __init__(self, index: int, sources: Sequence[torch.Tensor], dest: torch.device,
                  stats: dict[str, int] | None, pending: Pending, group: BucketGroup) -> None:
         self.index, self.n, self.nbytes = index, len(sources), _bytes(sources)
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
+        self.edge: Any = None  # the first source's gradient node (its AccumulateGrad)
+
+    def ran(self, local: bool) -> None:
+        """The node's backward starts (the C++ node sums ``local`` rows itself)."""
+        self.pending.value = False
+        self.group.bucket_ran(self.index, self.edge)
+        if local:
+            count(self.stats, "reduce", self.nbytes)
+
+    def reduce_rows(self, rows: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        return reduce_add(rows, self.dest, stats=self.stats, nbytes=self.nbytes)
 
 
 class BucketReduce(Function):
@@ -175,17 +193,32 @@ class BucketReduce(Function):
     def backward(ctx, *grads):
         link = ctx.link
         link.pending.value = False
-        link.group.bucket_ran(link.index, ctx)
+        link.group.bucket_ran(link.index, node=ctx)
         n = link.n
         rows = [grads[j:j + n] for j in range(0, len(grads), n)]
         return (None, None, *reduce_add(rows, link.dest, stats=link.stats, nbytes=link.nbytes))
 
 
 def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
-                sources: Sequence[torch.Tensor]) -> Any:
-    """Apply the bucket's node (grad mode on) and give it the earliest turn in backward."""
-    outs = BucketReduce.apply(link, rows, *sources)
+                sources: Sequence[torch.Tensor], native: bool = False) -> Any:
+    """Apply the bucket's node (grad mode on) and give it the earliest turn in backward.
+
+    ``native``: the extension's C++ node (made once per tensor set: the Python Function's
+    machinery costs ~2 us per gradient, which small models feel); else the ``BucketReduce``
+    Function above, the same sums."""
+    ext = _backend.ext() if native else None
+    if ext is not None:
+        outs = ext.bucket_reduce_link(list(sources), [t for row in rows for t in row],
+                                      link.dest, link.ran, link.reduce_rows)
+    else:
+        outs = BucketReduce.apply(link, rows, *sources)
     node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
     if node is not None:
         _torch_private.set_sequence_nr(node)
+        if ext is not None:  # made once: find the edge now, not in every backward
+            link.edge = first_edge(node)
     return node
+
+
+def first_edge(node: Any) -> Any:
+    return next((f for f, _ in node.next_functions if f is not None), None)

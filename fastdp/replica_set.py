@@ -140,7 +140,7 @@ class ReplicaSet(LeafAccumulation):
         with torch.enable_grad(), torch.inference_mode(False):
             for b, (rows, sources) in enumerate(self._bucket_rows[1]):
                 link_bucket(BucketLink(b, sources, self.src_device, self.stats, self.pending,
-                                       self.group), rows, sources)
+                                       self.group), rows, sources, native=self.linked)
         ext = _backend.ext()
         if self.linked and ext is not None:
             for bucket in self.layout.buckets:

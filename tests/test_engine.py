@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 import fastdp.reducer
-from fastdp import FastDataParallel, comm, engine
+from fastdp import FastDataParallel, _backend, comm, engine
 from fastdp.replica_set import ReplicaSet
 from fastdp.testing import DTYPES, onlyMultiGPU
 
@@ -98,14 +98,23 @@ def test_buckets_reduce_while_earlier_layers_are_still_in_backward(monkeypatch, 
 
 
 def test_every_reduction_goes_through_reduce_add(monkeypatch, distinct):
+    """The one reducer: ``reduce_add``, or (extension loaded) the bucket node's native sum of
+    same-device rows, its C++ twin (NOTE [ Early reduction ]; parity: the next test)."""
     calls = []
     real = fastdp.reducer.reduce_add
+    real_ran = fastdp.reducer.BucketLink.ran
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
+    def native(self, local):
+        if local:
+            calls.append("native")
+        return real_ran(self, local)
+
     monkeypatch.setattr(fastdp.reducer, "reduce_add", counting)
+    monkeypatch.setattr(fastdp.reducer.BucketLink, "ran", native)
     monkeypatch.setattr(fastdp._accumulate, "reduce_add", counting)
     monkeypatch.setattr(comm, "reduce_add", counting)
     x = torch.randn(8, 32)
@@ -120,6 +129,34 @@ def test_every_reduction_goes_through_reduce_add(monkeypatch, distinct):
     calls.clear()
     fdp(x)
     assert calls
+
+
+@pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_the_native_bucket_node_sums_as_reduce_add_does(n):
+    """The extension's bucket node against the Python one: bit-identical gradients, in row
+    order, frozen sources left alone, unused outputs as zeros."""
+    torch.manual_seed(0)
+    src = [torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=False),
+           torch.randn(2, 2, dtype=torch.float64, requires_grad=True)]
+    grads = {}
+    for native in (True, False):
+        for s in src:
+            s.grad = None
+        rows = [[s.detach().clone() for s in src] for _ in range(n)]
+        r = fastdp.reducer
+        link = r.BucketLink(0, src, torch.device("cpu"), engine.new_stats(), r.Pending(),
+                            r.BucketGroup([src]))
+        with torch.enable_grad():
+            fastdp.reducer.link_bucket(link, rows, src, native=native)
+        outs = [rows[j][k] * (j + 1.5) for j in range(n) for k in (0, 2)]  # row 0's k=1 unused
+        torch.autograd.backward([o.sum() for o in outs])
+        grads[native] = [None if s.grad is None else s.grad.clone() for s in src]
+        assert link.stats["reduces"] == (n > 1) and not link.pending.value
+    assert grads[True][1] is None and grads[False][1] is None
+    for a, b in zip(grads[True], grads[False]):
+        if a is not None:
+            assert torch.equal(a, b)
 
 
 # ---- parity of distinct replicas with the plain module on the same chunks ---------------------

@@ -1,0 +1,29 @@
+#pragma once
+// The bucket node of the one reducer, in C++: NOTE [ Early reduction ] in fastdp/reducer.py.
+// Touches no Python object: the bindings wrap the Python callbacks (with the GIL) into `hooks`.
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace fastdp {
+
+struct BucketHooks {
+  // Called once per backward of the bucket, first; `local`: two or more rows, every gradient
+  // on the destination (the sum is done here), else `reduce_rows` sums them (a transport).
+  std::function<void(bool local)> on_backward;
+  std::function<std::vector<at::Tensor>(const std::vector<std::vector<at::Tensor>>&)> reduce_rows;
+};
+
+// Makes the persistent replica tensors of one bucket (`replicas`: row-major, one row of
+// sources.size() tensors per replica) outputs of one autograd node whose backward sums each
+// source's replica gradients, in row order, and hands the sums to the sources' gradient edges
+// (AccumulateGrad adds them into .grad). Same-device rows: one multi-tensor add per replica.
+// Returns the outputs (the replica tensors themselves). Grad mode must be on.
+std::vector<at::Tensor> bucket_reduce_link(const std::vector<at::Tensor>& sources,
+                                           const std::vector<at::Tensor>& replicas,
+                                           at::Device dest, std::shared_ptr<BucketHooks> hooks);
+
+}  // namespace fastdp
