@@ -15,6 +15,14 @@ namespace py = pybind11;
 
 namespace {
 
+bool py_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // A Python callable owned from C++ (an autograd node may die on any thread): released with the
 // GIL held, or leaked once the interpreter is finalizing.
 struct PyFn {
@@ -23,7 +31,7 @@ struct PyFn {
   PyFn(const PyFn&) = delete;
   PyFn& operator=(const PyFn&) = delete;
   ~PyFn() {
-    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+    if (Py_IsInitialized() && !py_finalizing()) {
       py::gil_scoped_acquire gil;
       fn = py::object();
     } else {
