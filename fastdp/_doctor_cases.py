@@ -94,6 +94,28 @@ def ext_vs_torch(fn: Callable[[], Any], where: str, strides: bool = True) -> Non
     same(got, want, where, strides)
 
 
+AVOID_EXT = "FASTDP_DISABLE_EXT=1"
+
+
+def gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def need_ext(cuda: bool = False) -> None:
+    """Skip unless the extension is loaded and enabled (and built with CUDA, for ``cuda``)."""
+    if not _backend.enabled():
+        raise Skip(f"extension disabled ({AVOID_EXT}): the torch path is used everywhere")
+    if not _backend.loaded():
+        raise Skip(f"fastdp._C not loaded: {_backend.load_error()}")
+    if cuda and _backend.build_info().get("built_with_cuda") != "1":
+        raise Skip("CPU-only build: CUDA copies take the torch path")
+
+
+def need_gpus(n: int) -> None:
+    if gpus() < n:
+        raise Skip(f"needs {n} CUDA GPU(s), {gpus()} visible")
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         for d in range(torch.cuda.device_count()):

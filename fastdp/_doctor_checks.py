@@ -14,28 +14,12 @@ from torch import nn
 import fastdp.comm as comm
 from fastdp import _backend, _doctor_kernels, engine
 from fastdp._devices import as_device
-from fastdp._doctor_cases import Mismatch, Skip, cases, ext_vs_torch, make, same, sync
+from fastdp._doctor_cases import AVOID_EXT, Mismatch, Skip, cases, ext_vs_torch, make, same, sync
+from fastdp._doctor_cases import gpus as _gpus
+from fastdp._doctor_cases import need_ext as _need_ext
+from fastdp._doctor_cases import need_gpus as _need_gpus
 
-AVOID_EXT = "FASTDP_DISABLE_EXT=1"
 AVOID_P2P = "FASTDP_P2P=0"
-
-
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _need_ext(cuda: bool = False) -> None:
-    if not _backend.enabled():
-        raise Skip(f"extension disabled ({AVOID_EXT}): the torch path is used everywhere")
-    if not _backend.loaded():
-        raise Skip(f"fastdp._C not loaded: {_backend.load_error()}")
-    if cuda and _backend.build_info().get("built_with_cuda") != "1":
-        raise Skip("CPU-only build: CUDA copies take the torch path")
-
-
-def _need_gpus(n: int) -> None:
-    if _gpus() < n:
-        raise Skip(f"needs {n} CUDA GPU(s), {_gpus()} visible")
 
 
 def check_extension() -> str:

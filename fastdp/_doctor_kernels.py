@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fastdp import _backend
-from fastdp._doctor_cases import Mismatch, Skip
+from fastdp._doctor_cases import Mismatch, gpus, need_ext, need_gpus, sync
 
 MiB = 1 << 20
 
@@ -96,19 +96,9 @@ def same_bits(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
         raise Mismatch(f"{where}: {len(bad)} byte(s) differ, the first at byte {int(bad[0])}")
 
 
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _need(gpus: int) -> None:
-    if not _backend.enabled():
-        raise Skip("extension disabled (FASTDP_DISABLE_EXT=1): the torch path is used everywhere")
-    if not _backend.loaded():
-        raise Skip(f"fastdp._C not loaded: {_backend.load_error()}")
-    if gpus and _backend.build_info().get("built_with_cuda") != "1":
-        raise Skip("CPU-only build: no CUDA kernels to check")
-    if _gpus() < gpus:
-        raise Skip(f"needs {gpus} CUDA GPU(s), {_gpus()} visible")
+def _need(n: int) -> None:
+    need_ext(cuda=n > 0)
+    need_gpus(n)
 
 
 def _plan(t: torch.Tensor, n: int, dim: int) -> list[int]:
@@ -120,17 +110,12 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
-def _sync() -> None:
-    for d in range(_gpus()):
-        torch.cuda.synchronize(d)
-
-
 def scatter_one(src: torch.Tensor, dim: int, devices: list[torch.device], where: str) -> None:
     plan = _plan(src, len(devices), dim)
     devices = devices[: len(plan)]  # torch.chunk may make fewer chunks than devices
     got = _backend.ext().scatter_chunks([src], [plan], dim, devices)
     want = [c.to(d) for c, d in zip(src.split(plan, dim), devices)]
-    _sync()
+    sync()
     for r, (row, w) in enumerate(zip(got, want)):
         same_bits(row[0], w, f"{where}, chunk {r}")
 
@@ -138,7 +123,7 @@ def scatter_one(src: torch.Tensor, dim: int, devices: list[torch.device], where:
 def gather_one(parts: list[torch.Tensor], dim: int, dest: torch.device, where: str) -> None:
     got = _backend.ext().gather_into(parts, dim, dest)
     want = torch.cat([p.to(dest) for p in parts], dim)
-    _sync()
+    sync()
     same_bits(got, want, where)
 
 
@@ -171,10 +156,10 @@ def check_host_to_gpus(pinned: bool) -> Callable[[bool], str]:
     def run(quick: bool) -> str:
         _need(1)
         out = ""
-        for g in range(_gpus()):
+        for g in range(gpus()):
             out = _run(quick, lambda lb, t, d, g=g: scatter_one(
                 _pinned(t) if pinned else t, d, [_cuda(g)] * 2, f"{lb} -> cuda:{g}"))
-        return f"every GPU ({_gpus()}): {out}"
+        return f"every GPU ({gpus()}): {out}"
     return run
 
 
@@ -182,17 +167,17 @@ def check_gpu_gather(to_host: bool) -> Callable[[bool], str]:
     def run(quick: bool) -> str:
         _need(1)
         out = ""
-        for g in range(_gpus()):
+        for g in range(gpus()):
             dest = torch.device("cpu") if to_host else _cuda(g)
             out = _run(quick, lambda lb, t, d, g=g, dest=dest: gather_one(
                 list(t.to(_cuda(g)).chunk(3, d)), d, dest, f"{lb} cuda:{g} -> {dest}"))
-        return f"every GPU ({_gpus()}): {out}"
+        return f"every GPU ({gpus()}): {out}"
     return run
 
 
 def check_gpu_to_gpus(quick: bool) -> str:
     _need(2)
-    devs = [_cuda(g) for g in range(_gpus())]
+    devs = [_cuda(g) for g in range(gpus())]
     out = _run(quick, lambda lb, t, d: scatter_one(t.to(devs[0]), d, devs[1:] + devs[:1],
                                                    f"{lb} cuda:0 -> {len(devs)} GPUs"))
     out = _run(quick, lambda lb, t, d: gather_one(
@@ -208,7 +193,7 @@ def check_small_pool(quick: bool) -> str:
     old = ext.pinned_pool_set_capacity(MiB)
     try:
         out = ""
-        for g in range(_gpus()):
+        for g in range(gpus()):
             out = _run(quick, lambda lb, t, d, g=g: scatter_one(
                 t, d, [_cuda(g)] * 2, f"{lb} -> cuda:{g}, 1 MiB pool"), big_cases(quick))
             out = _run(quick, lambda lb, t, d, g=g: gather_one(
@@ -216,7 +201,7 @@ def check_small_pool(quick: bool) -> str:
                 f"{lb} cuda:{g} -> cpu, 1 MiB pool"), big_cases(quick))
     finally:
         ext.pinned_pool_set_capacity(old)
-    return f"pinned pool 1 MiB, every GPU ({_gpus()}), both ways: {out}"
+    return f"pinned pool 1 MiB, every GPU ({gpus()}), both ways: {out}"
 
 
 def check_side_stream(quick: bool) -> str:
@@ -225,7 +210,7 @@ def check_side_stream(quick: bool) -> str:
     _need(1)
     ext = _backend.ext()
     label, t, dim = big_cases(quick)[-1]
-    for g in range(_gpus()):
+    for g in range(gpus()):
         dev = _cuda(g)
         src = t.to(dev)
         side = torch.cuda.Stream(dev)
@@ -240,12 +225,12 @@ def check_side_stream(quick: bool) -> str:
             up = ext.scatter_chunks([t], [_plan(t, 2, dim)], dim, [dev, dev])
             up_cat = torch.cat([row[0] for row in up], dim)
             ok = [torch.equal(_bits(on_dev), _bits(src)), torch.equal(_bits(up_cat), _bits(src))]
-        _sync()
+        sync()
         same_bits(host, t, f"{label} cuda:{g} -> cpu on a side stream")
         if not all(ok):
             raise Mismatch(f"{label} on cuda:{g}: a kernel did not follow the side stream "
                            f"(gather in place {ok[0]}, scatter from the host {ok[1]})")
-    return f"every GPU ({_gpus()}): {label} gathered and scattered on a side stream, in order"
+    return f"every GPU ({gpus()}): {label} gathered and scattered on a side stream, in order"
 
 
 def plan() -> list[tuple[str, Callable[[bool], str]]]:

@@ -35,7 +35,9 @@ def info() -> dict[str, Any]:
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     backend = {stage: "extension" if ext is not None else "torch" for stage in _STAGES}
     backend.update(plan="python (torch.chunk sizes; NOTE [ DataParallel's chunking ])",
-                   refresh=_ENGINE, reduce=_ENGINE)
+                   refresh=_ENGINE,
+                   reduce=_ENGINE + ("; bucket node: C++ (csrc/bucket_reduce.cpp)" if ext
+                                     else "; bucket node: Python (BucketReduce)"))
     return {
         "version": __version__,
         "torch": torch.__version__,

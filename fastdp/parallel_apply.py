@@ -231,8 +231,8 @@ def parallel_apply(
 def run_on_threads(modules: Sequence[Module], inputs: Sequence[Any],
                    kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> list[Any]:
     """The ``threads`` strategy without a worker pool: one fresh thread per replica (torch's
-    ``parallel_apply``), one replica on the caller's thread."""
-    _wait_for_stragglers()
+    ``parallel_apply``), one replica on the caller's thread. ``parallel_apply`` has waited for
+    an interrupted call's stragglers."""
     state = capture_state(devices)
     results: list[Any] = [None] * len(modules)
 

@@ -195,8 +195,7 @@ class BucketReduce(Function):
         link.pending.value = False
         link.group.bucket_ran(link.index, node=ctx)
         n = link.n
-        rows = [grads[j:j + n] for j in range(0, len(grads), n)]
-        return (None, None, *reduce_add(rows, link.dest, stats=link.stats, nbytes=link.nbytes))
+        return (None, None, *link.reduce_rows([grads[j:j + n] for j in range(0, len(grads), n)]))
 
 
 def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
