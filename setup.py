@@ -116,6 +116,26 @@ def wheel_nvidia_dirs() -> tuple[list[str], list[str]]:
     return incs, libs
 
 
+def running_libstdcxx() -> str | None:
+    """The libstdc++ this interpreter runs with (torch loaded it), from /proc/self/maps; Linux.
+
+    NOTE [ One libstdc++ ]
+    A compiler driver that links libstdc++ statically (the GPU image's CXX=/opt/gcc/bin/g++
+    does) puts a second libstdc++ inside fastdp._C; its locale facets are not the process's, so
+    the first error message that streams a number segfaulted (seen on an H100, 2026-11-24).
+    Naming the process's own libstdc++ on the link line, ahead of the driver's libraries,
+    resolves every std:: symbol to it (a NEEDED entry) and leaves nothing for a static copy."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split(None, 5)[-1].strip()
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def sources(with_cuda: bool) -> list[str]:
     srcs = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     if with_cuda:
@@ -131,6 +151,9 @@ def make_extension():
     extra = {"cxx": opt + ["-Wall", "-Wno-unused-function"]}
     include_dirs = [os.path.join(HERE, "csrc")]
     library_dirs, libraries, link_args = [], [], []
+    libstdcxx = running_libstdcxx()
+    if libstdcxx:  # NOTE [ One libstdc++ ]
+        link_args.append(libstdcxx)
     if with_cuda:
         visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
         cuda = _ARCHS["toolkit_cuda_version"](cpp_extension.CUDA_HOME, torch.version.cuda)

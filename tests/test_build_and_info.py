@@ -1,6 +1,7 @@
 """The build: what was compiled, backend loading, ``fastdp.info()``, ``python -m fastdp.info``."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,6 +26,24 @@ def test_extension_is_built_and_loaded():
         pytest.skip("FASTDP_DISABLE_EXT=1")
     assert _backend.loaded(), _backend.load_error()
     assert fastdp.info()["backend"]["scatter"] == "extension"
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("readelf") is None,
+                    reason="reads the ELF dynamic section with readelf (Linux)")
+def test_the_extension_links_the_processes_libstdcxx():
+    """NOTE [ One libstdc++ ] in setup.py: a driver that linked libstdc++ statically (the GPU
+    image's CXX wrapper) gave fastdp._C its own copy, and the first TORCH_CHECK message with a
+    number in it segfaulted. The library must be a NEEDED entry, not a copy inside."""
+    if not _backend.loaded():
+        pytest.skip(f"fastdp._C is not loaded: {_backend.load_error()}")
+    so = _backend.ext().__file__
+    needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True,
+                            check=True).stdout
+    assert "[libstdc++.so" in needed, needed
+    syms = subprocess.run(["readelf", "-W", "--dyn-syms", so], capture_output=True, text=True,
+                          check=True).stdout
+    assert "_ZNSo9_M_insertImEERSoT_" not in [ln.split()[-1] for ln in syms.splitlines()
+                                              if " FUNC " in ln and " UND " not in ln]
 
 
 def test_expected_build_flavour():
