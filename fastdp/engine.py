@@ -123,14 +123,23 @@ class _CudaTransport:
             for d in dsts:
                 d.copy_(src, non_blocking=True)
             return
-        torch_comm.broadcast(src, out=list(dsts))  # one NCCL broadcast where it can
+        # torch's broadcast views a complex source as real but not its out= tensors (a shape
+        # error), and NCCL has no complex types: move complex flats as their real pairs.
+        torch_comm.broadcast(_as_real(src), out=[_as_real(d) for d in dsts])
 
     @staticmethod
     def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
         if dest.type != "cuda" or all(f.device != dest for f in flats) or any(
                 f.layout != torch.strided for f in flats):
             return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
+        if flats[0].dtype.is_complex:  # NCCL has no complex types; pairwise sums are the same
+            return torch.view_as_complex(
+                torch_comm.reduce_add([_as_real(f) for f in flats], dest.index))
         return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.dtype.is_complex else t
 
 
 def transport_for(devices: Sequence[torch.device]) -> Any:

@@ -419,7 +419,7 @@ def test_the_cuda_transport_is_torchs_one_call_per_bucket(monkeypatch):
     src = torch.ones(10)
     engine._CudaTransport.broadcast(src, [torch.empty(10), torch.empty(10)])
     class OnGpu:  # what the transport reads of a flat on cuda:0 (no GPU here)
-        device, layout = torch.device("cuda", 0), torch.strided
+        device, layout, dtype = torch.device("cuda", 0), torch.strided, torch.float32
 
     engine._CudaTransport.reduce([OnGpu()] * 3, torch.device("cuda", 0))
     assert calls == [("broadcast", 2), ("reduce", 3)]
