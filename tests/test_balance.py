@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 import fastdp
 from fastdp.balance import balanced_chunk_sizes
-from fastdp.testing import replica_ids, withCUDA
+from fastdp.testing import device_of, replica_ids, withCUDA
 
 
 class Recorder(nn.Module):
@@ -41,7 +41,7 @@ def _seen(module):
 @withCUDA
 @pytest.mark.parametrize("sizes", [[5, 1, 4], [1, 1, 8], [10, 0, 0], [2, 8, 0]])
 def test_chunk_sizes_seen_inside_module(kind, sizes):
-    m = Recorder()
+    m = Recorder().to(device_of(kind))
     fdp = fastdp.FastDataParallel(m, replica_ids(kind, 3), chunk_sizes=sizes)
     x = _rows(10)
     out = fdp(x)

@@ -20,8 +20,8 @@ def _net(seed):
 def _assert_same(a, b):
     sa, sb = fastdp.unwrap(a).state_dict(), fastdp.unwrap(b).state_dict()
     assert list(sa) == list(sb)
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
+    for k in sa:  # on the CPU: DataParallel(m) and FastDataParallel(m) move m to cuda:0 on 1 GPU
+        assert torch.equal(sa[k].cpu(), sb[k].cpu()), k
 
 
 @pytest.fixture(scope="module")
