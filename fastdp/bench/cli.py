@@ -7,6 +7,7 @@ progress bar and notes go to stderr. See ``bench/README.md`` for what each suite
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -147,10 +148,18 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
               "timings will be noisy; the JSON records the load.")
     meta.update(suites=suites, skipped_suites=skipped, profiles=profiles,
                 gpu_dry_run=args.gpu_dry_run, tasks=len(tasks))
-    records = run_tasks(tasks, progress=not args.no_progress)
+    os.makedirs(args.out, exist_ok=True)
+    partial = os.path.join(args.out, "records.partial.jsonl")
+    with open(partial, "w") as f:  # one line per record as tasks finish; removed once complete
+        f.write(json.dumps({"meta": meta}, default=str) + "\n")
+
+    def sink(recs: list[dict]) -> None:
+        with open(partial, "a") as f:
+            f.writelines(json.dumps(r, default=str) + "\n" for r in recs)
+
+    records = run_tasks(tasks, progress=not args.no_progress, sink=sink)
     report.add_ratios(records)
     text = report.header(meta) + "\n" + report.format_tables(records)
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
@@ -163,6 +172,7 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
                 load_average={"start": load, "end": machine.load_average()})
     json_path = os.path.join(args.out, "results.json")
     report.write_json(json_path, meta, records)
+    os.remove(partial)
     print(f"\nwrote {json_path}, {os.path.join(args.out, 'table.txt')}"
           + "".join(f", {p}" for p in pngs))
     print(f"wall time {meta['wall_s']:.1f} s")

@@ -172,8 +172,10 @@ def record_launch(recs: dict, calls: dict) -> None:
             recs[m]["launch_pick"] = call.launch_report()
 
 
-def run_tasks(tasks: list[Task], progress: bool = True) -> list[dict]:
-    """Runs every task under a tqdm bar on stderr (no bar when tqdm is missing)."""
+def run_tasks(tasks: list[Task], progress: bool = True,
+              sink: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Runs every task under a tqdm bar on stderr (no bar when tqdm is missing); ``sink`` gets
+    each task's records as soon as it is done (what a run cut short keeps)."""
     bar = None
     if progress:
         try:
@@ -198,6 +200,8 @@ def run_tasks(tasks: list[Task], progress: bool = True) -> list[dict]:
         for r in t.records:
             r["task"], r["task_s"] = t.label, round(time.perf_counter() - t0, 3)
         out.extend(t.records)
+        if sink is not None:
+            sink(t.records)
         t.fn = None  # drop the task's models and wrappers before the next one
         _release()
         if bar is not None:
