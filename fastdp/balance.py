@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fastdp import _tree
+
 __all__ = ["balanced_chunk_sizes", "check_split_args", "first_batch_size", "plan_devices"]
 
 
@@ -73,20 +75,11 @@ def check_split_args(
 
 def first_batch_size(obj: Any, dim: int) -> int | None:
     """Size along ``dim`` of the first tensor leaf of nested inputs (scatter's container rules)."""
-    if isinstance(obj, torch.Tensor):
-        if not -obj.dim() <= dim < obj.dim():
-            return None  # the scatter planner raises its own error for this leaf
-        return obj.size(dim)
-    if isinstance(obj, (tuple, list)):
-        for x in obj:
-            b = first_batch_size(x, dim)
-            if b is not None:
-                return b
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            b = first_batch_size(x, dim)
-            if b is not None:
-                return b
+    leaves: list[torch.Tensor] = []
+    _tree.flatten(obj, leaves)
+    for t in leaves:  # a leaf without ``dim`` (0-dim) is skipped; scatter raises its own error
+        if -t.dim() <= dim < t.dim():
+            return t.size(dim)
     return None
 
 

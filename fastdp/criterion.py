@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from fastdp import _tree
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
-from fastdp.scatter_gather import _flatten, gather, scatter_kwargs
+from fastdp.scatter_gather import gather, scatter_kwargs
 
 __all__ = ["Scattered", "ParallelCriterion"]
 
@@ -75,7 +76,7 @@ def _check_rows(targets: tuple, sizes: list[int] | None, dim: int) -> None:
     if sizes is None:
         return
     leaves: list = []
-    _flatten(targets, leaves)
+    _tree.flatten(targets, leaves)
     total = sum(sizes)
     for i, t in enumerate(leaves):
         if t.dim() > 0 and t.size(dim) != total:
@@ -87,17 +88,7 @@ def _check_rows(targets: tuple, sizes: list[int] | None, dim: int) -> None:
 
 
 def _to(obj: Any, device: torch.device | None) -> Any:
-    if device is None:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*[_to(x, device) for x in obj])
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to(v, device)) for k, v in obj.items())
-    return obj
+    return obj if device is None else _tree.map_tensors(obj, lambda t: t.to(device))
 
 
 class ParallelCriterion(Module):

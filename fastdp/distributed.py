@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
+from fastdp import _tree
 from fastdp._devices import as_device
 from fastdp._planner import chunk_sizes_for
 from fastdp.data_parallel import FastDataParallel
@@ -92,28 +93,20 @@ def wrap(model: Module, **kwargs: Any) -> Module:
 
 
 def _shard(obj: Any, rank: int, world: int, dim: int, device: torch.device | None) -> Any:
-    if isinstance(obj, torch.Tensor):
-        sizes = chunk_sizes_for(obj.size(dim), world)
-        start = sum(sizes[:rank])
-        part = obj.narrow(dim, start, sizes[rank] if rank < len(sizes) else 0)
-        return part if device is None else part.to(device)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*[_shard(x, rank, world, dim, device) for x in obj])
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_shard(x, rank, world, dim, device) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _shard(v, rank, world, dim, device)) for k, v in obj.items())
-    return obj
+    def part(t: torch.Tensor) -> torch.Tensor:
+        sizes = chunk_sizes_for(t.size(dim), world)
+        p = t.narrow(dim, sum(sizes[:rank]), sizes[rank] if rank < len(sizes) else 0)
+        return p if device is None else p.to(device)
+
+    return _tree.map_tensors(obj, part)
 
 
 def _warn_uneven(obj: Any, world: int, dim: int) -> None:
     global _warned_uneven
     if _warned_uneven:
         return
-    leaf = obj
-    while isinstance(leaf, (tuple, list, dict)) and leaf:
-        leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
-    if isinstance(leaf, torch.Tensor) and leaf.size(dim) % world:
+    leaf = _tree.first_tensor(obj)
+    if leaf is not None and leaf.size(dim) % world:
         _warned_uneven = True
         warnings.warn(
             f"fastdp.shard_batch: a batch of {leaf.size(dim)} does not split evenly over {world} "

@@ -12,8 +12,6 @@ field-wise and outputs that are not tensors or containers come back as a per-rep
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,48 +19,12 @@ from typing import Any
 
 import torch
 
+from fastdp import _tree
 from fastdp._devices import as_device
 from fastdp._functions import Gather, Scatter, vector_if_scalars
 from fastdp._planner import chunk_sizes_for, dropped, plan_chunks
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
-
-# Spec nodes: ("t", i) tensor leaf i; ("nt", type, specs); ("tu", specs); ("li", specs);
-# ("di", type, keys, specs); ("ob", obj) passed by reference.
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
-
-
-def _flatten(obj: Any, leaves: list) -> tuple:
-    if isinstance(obj, torch.Tensor):
-        leaves.append(obj)
-        return ("t", len(leaves) - 1)
-    if _is_namedtuple(obj):
-        return ("nt", type(obj), [_flatten(x, leaves) for x in obj])
-    if isinstance(obj, tuple) and obj:
-        return ("tu", [_flatten(x, leaves) for x in obj])
-    if isinstance(obj, list) and obj:
-        return ("li", [_flatten(x, leaves) for x in obj])
-    if isinstance(obj, dict) and obj:
-        return ("di", type(obj), list(obj.keys()), [_flatten(v, leaves) for v in obj.values()])
-    return ("ob", obj)
-
-
-def _build(spec: tuple, chunks: Sequence[torch.Tensor]) -> Any:
-    kind = spec[0]
-    if kind == "t":
-        return chunks[spec[1]]
-    if kind == "nt":
-        return spec[1](*[_build(s, chunks) for s in spec[2]])
-    if kind == "tu":
-        return tuple(_build(s, chunks) for s in spec[1])
-    if kind == "li":
-        return [_build(s, chunks) for s in spec[1]]
-    if kind == "di":
-        return spec[1](zip(spec[2], [_build(s, chunks) for s in spec[3]]))
-    return spec[1]
 
 
 def scatter_plan(
@@ -78,7 +40,7 @@ def scatter_plan(
     warning) hears which (NOTE [ DataParallel's chunking ])."""
     on_drop = on_drop or warn_dropped
     leaves: list[torch.Tensor] = []
-    spec = _flatten(obj, leaves)
+    spec = _tree.flatten(obj, leaves)
     dims = []
     for i, t in enumerate(leaves):
         if t.layout != torch.strided or t.is_nested:
@@ -121,31 +83,14 @@ def _narrow(leaves: list, dims: list[int], plan: list[list[int]], lost: list[int
         leaves[i] = leaves[i].narrow(dims[i], 0, sum(plan[i]))
 
 
-def _paths(spec: tuple, prefix: str, out: dict[int, str]) -> None:
-    kind = spec[0]
-    if kind == "t":
-        out[spec[1]] = prefix
-    elif kind in ("tu", "li"):
-        for k, s in enumerate(spec[1]):
-            _paths(s, f"{prefix}[{k}]", out)
-    elif kind == "nt":
-        for name, s in zip(spec[1]._fields, spec[2]):
-            _paths(s, f"{prefix}.{name}", out)
-    elif kind == "di":
-        for key, s in zip(spec[2], spec[3]):
-            _paths(s, f"{prefix}[{key!r}]", out)
-
-
 def leaf_paths(spec: tuple, with_kwargs: bool) -> dict[int, str]:
     """Leaf index -> a readable path: ``inputs[0]``; with ``with_kwargs`` the spec is of an
     ``(inputs, kwargs)`` pair and its leaves read ``inputs[0]``, ``kwargs['num_items']``."""
     out: dict[int, str] = {}
     if with_kwargs:
-        _paths(spec[1][0], "inputs", out)
-        _paths(spec[1][1], "kwargs", out)
-    else:
-        _paths(spec, "inputs", out)
-    return out
+        _tree.paths(spec[2][0], "inputs", out)
+        return _tree.paths(spec[2][1], "kwargs", out)
+    return _tree.paths(spec, "inputs", out)
 
 
 def _drop_message(spec: tuple, sizes: list[int], plan: list[list[int]], lost: list[int],
@@ -197,7 +142,7 @@ def _split_tensors(inputs: tuple, devices: Sequence[torch.device], dim: int,
         if lost:
             inputs = list(inputs)
             _narrow(inputs, dims, plan, lost)
-            spec = ("tu", [("t", i) for i in range(len(inputs))])
+            spec = ("tu", tuple, tuple(("t", i) for i in range(len(inputs))))
             (on_drop or warn_dropped)(_drop_message(spec, sizes, plan, lost))
     chunks = [t.split_with_sizes(p, d) for t, p, d in zip(inputs, plan, dims)]
     k = len(plan[0])
@@ -246,7 +191,7 @@ def scatter_kwargs(
     n = len(plan[0])
     flat = _scatter_flat(list(target_devices[:n]), plan, dims, leaves)
     L = len(leaves)
-    outs = [_build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
+    outs = [_tree.build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
     return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
 
 
@@ -259,50 +204,33 @@ def scatter(inputs: Any, target_devices: Sequence[torch.device], dim: int = 0,
     n = len(plan[0])
     flat = _scatter_flat(list(target_devices[:n]), plan, dims, leaves)
     L = len(leaves)
-    res = [_build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
+    res = [_tree.build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
     return tuple(res) if isinstance(inputs, torch.Tensor) else res
 
 
-def _gspec(outs: Sequence[Any], groups: list) -> tuple:
-    out = outs[0]
-    if isinstance(out, torch.Tensor):
-        if not all(isinstance(o, torch.Tensor) for o in outs):
-            raise TypeError("fastdp: replicas returned a tensor in some replicas and not others")
-        groups.append(outs)
-        return ("t", len(groups) - 1)
-    if out is None:
-        return ("ob", None)
-    if isinstance(out, dict):
-        if not all(len(out) == len(d) for d in outs):
+def _head(spec: tuple) -> Any:
+    """What a container node must share across replicas besides its children: type and keys."""
+    return (type(spec[1]), spec[2]) if spec[0] == "dc" else spec[1:-1]
+
+
+def _same_structure(specs: list[tuple], path: str = "output") -> None:
+    """Raises where the replicas' output specs differ (called once they are known to differ)."""
+    a = specs[0]
+    for b in specs[1:]:
+        if a[0] != b[0]:
+            if "t" in (a[0], b[0]):
+                raise TypeError(f"fastdp: replicas returned a tensor in some replicas and not "
+                                f"others ({path})")
+            raise ValueError(f"fastdp: replicas returned different types at {path}")
+        if a[0] == "di" and len(a[2]) != len(b[2]):
             raise ValueError("All dicts must have the same number of keys")
-        return ("di", type(out), list(out), [_gspec([d[k] for d in outs], groups) for k in out])
-    if _is_namedtuple(out):
-        return ("nt", type(out), [_gspec(x, groups) for x in zip(*outs, strict=True)])
-    if isinstance(out, (tuple, list)):
-        return ("tu" if isinstance(out, tuple) else "li", type(out),
-                [_gspec(x, groups) for x in zip(*outs, strict=True)])
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        names = [f.name for f in dataclasses.fields(out)]
-        return ("dc", out, names, [_gspec([getattr(o, n) for o in outs], groups) for n in names])
-    return ("ob", list(outs))
-
-
-def _gbuild(spec: tuple, gathered: Sequence[torch.Tensor]) -> Any:
-    kind = spec[0]
-    if kind == "t":
-        return gathered[spec[1]]
-    if kind == "ob":
-        return spec[1]
-    if kind == "di":
-        return spec[1]((k, _gbuild(s, gathered)) for k, s in zip(spec[2], spec[3]))
-    if kind == "nt":
-        return spec[1]._make(_gbuild(s, gathered) for s in spec[2])
-    if kind in ("tu", "li"):
-        return spec[1](_gbuild(s, gathered) for s in spec[2])
-    new = copy.copy(spec[1])  # "dc": a dataclass, rebuilt field by field
-    for name, s in zip(spec[2], spec[3]):
-        object.__setattr__(new, name, _gbuild(s, gathered))
-    return new
+        if a[0] not in ("t", "ob") and (_head(a) != _head(b) or len(a[-1]) != len(b[-1])):
+            raise ValueError(f"fastdp: replicas returned different containers at {path}")
+    if a[0] in ("t", "ob"):
+        return
+    names = a[2] if a[0] in ("di", "dc") else range(len(a[-1]))
+    for k, name in enumerate(names):
+        _same_structure([s[-1][k] for s in specs], f"{path}[{name!r}]")
 
 
 def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
@@ -322,8 +250,16 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: st
     target = target_device if cpu else as_device(target_device)
     if scalars == "stack" and outputs and _one_device(outputs, [target]):
         return _cat(outputs, dim)  # NOTE [ Same-device scatter and gather ]
-    groups: list = []
-    spec = _gspec(list(outputs), groups)
+    specs, parts, objects = [], [], []
+    for out in outputs:
+        leaves: list[torch.Tensor] = []
+        objects.append([])
+        specs.append(_tree.flatten(out, leaves, objects[-1]))
+        parts.append(leaves)
+    keys = [_tree.structure_key(x) for x in specs]
+    if any(k != keys[0] for k in keys[1:]):
+        _same_structure(specs)
+    groups = [list(g) for g in zip(*parts)]
     gathered: list[Any] = [None] * len(groups)
     rest = list(range(len(groups)))
     if scalars != "stack" and dim == 0:  # losses: 0-dim, or one element (HF's (1, 1) losses)
@@ -340,7 +276,9 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: st
             done = Gather.apply(target, dim, n, *flat)
         for g, t in zip(rest, done):
             gathered[g] = t
-    return _gbuild(spec, gathered)
+    # outputs that are not tensors or containers: None stays None, others a per-replica list
+    return _tree.build(specs[0], gathered, lambda k: None if objects[0][k] is None
+                       else [o[k] for o in objects])
 
 
 def _combine(parts: Sequence[torch.Tensor], target: torch.device, how: str,

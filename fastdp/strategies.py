@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from fastdp import _tree
 from fastdp._workers import WorkerPool
 from fastdp.parallel_apply import capture_state, run_in_turn, run_on_threads, run_replica
 
@@ -106,32 +107,14 @@ class _Call:
 THREADS, INLINE = Threads(), Inline()
 
 
-def key_leaves(x: Any, out: list) -> None:
-    """Append ``x``'s structure to ``out``: list/tuple lengths, dict keys, per tensor (shape,
-    dtype), other objects as their type."""
-    if isinstance(x, torch.Tensor):
-        out.append((tuple(x.shape), x.dtype))
-    elif isinstance(x, (list, tuple)):
-        out.append(len(x))
-        for y in x:
-            key_leaves(y, out)
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            out.append(k)
-            key_leaves(v, out)
-    else:
-        out.append(type(x))
-
-
 def input_key(inputs: Any, kwargs: Any) -> tuple:
     """What makes a step's cost differ: the number of chunks and the first chunk's structure,
     shapes and dtypes (positional and keyword)."""
-    out: list = [len(inputs)]
-    if len(inputs):
-        key_leaves(inputs[0], out)
-        if kwargs:
-            key_leaves(kwargs[0], out)
-    return tuple(out)
+    if not len(inputs):
+        return (0,)
+    leaves: list[torch.Tensor] = []
+    spec = _tree.flatten((inputs[0], kwargs[0] if kwargs else None), leaves)
+    return (len(inputs), _tree.structure_key(spec), *((t.shape, t.dtype) for t in leaves))
 
 
 _TRIED = ("threads", "inline")  # what auto measures, by name; ties go to the first
