@@ -23,19 +23,12 @@ from typing import Any
 
 import torch
 from torch.nn import Module
-from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _watch, engine
 from fastdp._accumulate import LeafAccumulation
-from fastdp._compiled import (
-    budget_for,
-    compile_root,
-    finish_replica,
-    is_compiled,
-    mark_static,
-    replicate_module,
-)
+from fastdp._compiled import compile_root, is_compiled, mark_static
 from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
+from fastdp.replicate import check_replicatable, clone_tree, finish_tree
 
 
 def tensor_signature(tensors: list[torch.Tensor]) -> Any:
@@ -45,6 +38,17 @@ def tensor_signature(tensors: list[torch.Tensor]) -> Any:
         return ext.tensor_signature(tensors)
     return tuple((id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
                  for t in tensors)
+
+
+class Replicas(list):
+    """A step's replicas (their root modules); ``replica_set`` is the set they belong to. Made
+    per step, so the set never refers to it (no reference cycle)."""
+
+    __slots__ = ("replica_set",)
+
+    def __init__(self, roots: list[Module], replica_set: ReplicaSet) -> None:
+        super().__init__(roots)
+        self.replica_set = replica_set
 
 
 class NotCacheable(Exception):
@@ -67,11 +71,8 @@ class ReplicaSet(LeafAccumulation):
     def __init__(self, network: Module, devices: list[torch.device],
                  compile_ctx: Any = None, cap_bytes: float = engine.DEFAULT_CAP_MB * 2**20,
                  stats: dict[str, int] | None = None) -> None:
-        from fastdp import replicate as _rep
-
-        if not _rep._replicatable_module(network):
-            raise RuntimeError(
-                "Cannot replicate network where python modules are children of ScriptModule")
+        params = list(network.parameters())
+        check_replicatable(network, params)
         self.devices = list(devices)
         self.src_device = devices[0]
         self.compile_ctx = compile_ctx  # the wrapper's torch.compile context (roots only)
@@ -80,11 +81,6 @@ class ReplicaSet(LeafAccumulation):
         self.modules = list(network.modules())
         if any(isinstance(m, torch.jit.ScriptModule) for m in self.modules):
             raise NotCacheable("TorchScript modules are replicated afresh every step")
-        params = list(network.parameters())
-        if any(isinstance(p, UninitializedParameter) for p in params):
-            from fastdp.replicate import _LAZY_MESSAGE
-
-            raise ValueError(_LAZY_MESSAGE)
         buffers = list(network.buffers())
         self.sources = params + [b for b in buffers if b.requires_grad]
         self.buffers = [b for b in buffers if not b.requires_grad]
@@ -150,24 +146,12 @@ class ReplicaSet(LeafAccumulation):
                     self.probes.append((probe, ext.grad_fn_use_count(probe)))
 
     def _build(self) -> list[Module]:
-        index = {m: i for i, m in enumerate(self.modules)}
         src_index = {t: k for k, t in enumerate(self.sources)}
         buf_index = {t: k for k, t in enumerate(self.buffers)}
         self.slots: list[tuple[int, str, int]] = []
         self.buffer_slots: list[tuple[int, int, str, int]] = []  # (row, module, key, buffer)
-        copies: list[list[Module]] = []
-        for _ in self.devices:
-            row = []
-            for m in self.modules:
-                row.append(replicate_module(m))  # NOTE [ Compiled replicas ]
-            copies.append(row)
+        copies = clone_tree(self.modules, len(self.devices))
         for i, m in enumerate(self.modules):
-            for key, child in m._modules.items():
-                for row in copies:
-                    if child is None:
-                        row[i]._modules[key] = None
-                    else:
-                        setattr(row[i], key, row[index[child]])
             for key, p in m._parameters.items():
                 if p is None:
                     for row in copies:
@@ -185,13 +169,10 @@ class ReplicaSet(LeafAccumulation):
                         setattr(row[i], key, own)
                         if j:
                             self.buffer_slots.append((j, i, key, buf_index[b]))
-        for row in copies:  # before the snapshots below: see NOTE [ Compiled replicas ]
-            for m, r in zip(self.modules, row):
-                finish_replica(m, r)
+        # before the snapshots below: see NOTE [ Compiled replicas ]
+        finish_tree(self.modules, copies, compiled=self.compile_ctx is not None)
         roots = [compile_root(row[0], self.compile_ctx) for row in copies]
         self.in_order = self._runs_compiled_in_order()
-        if self.compile_ctx is not None or any(is_compiled(m) for m in self.modules):
-            budget_for(len(self.devices))  # NOTE [ One compile budget per device ]
         if self.in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
             mark_static(self.tensors)
             mark_static(self.buffer_copies)
@@ -302,7 +283,7 @@ class ReplicaSet(LeafAccumulation):
         self._count_buckets()
         self.group.reset()
         if no_sync and self.any_grad and torch.is_grad_enabled():
-            return self._refresh_no_sync()
+            return Replicas(self._refresh_no_sync(), self)
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
         if self._graph_alive():  # a live graph may still need the copies' old values
@@ -320,4 +301,4 @@ class ReplicaSet(LeafAccumulation):
                 self._link(Pending(True))
         else:
             self.pending.value = False
-        return self.replicas
+        return Replicas(self.replicas, self)

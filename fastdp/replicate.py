@@ -23,7 +23,7 @@ from fastdp._compiled import budget_for, finish_replica, is_compiled, replicate_
 from fastdp._devices import as_device
 from fastdp._functions import Broadcast
 
-__all__ = ["replicate"]
+__all__ = ["check_replicatable", "clone_tree", "finish_tree", "replicate"]
 
 T = TypeVar("T", bound=Module)
 
@@ -34,6 +34,43 @@ _LAZY_MESSAGE = (
     "parameters can't be used with `DataParallel`. Run a dummy forward pass to correctly "
     "initialize the modules"
 )
+
+
+def check_replicatable(network: Module, params: list[torch.Tensor]) -> None:
+    """DataParallel's errors for a network it cannot replicate (ScriptModule parents, lazy)."""
+    if not _replicatable_module(network):
+        raise RuntimeError(
+            "Cannot replicate network where python modules are children of ScriptModule"
+        )
+    if any(isinstance(p, UninitializedParameter) for p in params):
+        raise ValueError(_LAZY_MESSAGE)
+
+
+def clone_tree(modules: list[Module], num: int) -> list[list[Module]]:
+    """``num`` copies of the tree whose ``modules()`` are ``modules``, children wired inside each
+    copy; parameters and buffers are the caller's to set. The one replica builder of
+    ``replicate`` and ``ReplicaSet``."""
+    index = {m: i for i, m in enumerate(modules)}
+    # NOTE [ Compiled replicas ] in fastdp/_compiled.py: what replicate_module copies
+    copies = [[replicate_module(m) for m in modules] for _ in range(num)]
+    for i, m in enumerate(modules):
+        for key, child in m._modules.items():
+            for row in copies:
+                if child is None:
+                    row[i]._modules[key] = None
+                else:
+                    setattr(row[i], key, row[index[child]])
+    return copies
+
+
+def finish_tree(modules: list[Module], copies: list[list[Module]], compiled: bool) -> None:
+    """After the tensors are set: each replica finished from its module; with ``compiled``
+    code the compile budget scaled to the replicas (NOTE [ One compile budget per device ])."""
+    for row in copies:
+        for m, r in zip(modules, row):
+            finish_replica(m, r)
+    if compiled or any(is_compiled(m) for m in modules):
+        budget_for(len(copies))
 
 
 def _broadcast(tensors: list[torch.Tensor], devices: list[torch.device], detach: bool):
@@ -48,18 +85,12 @@ def _broadcast(tensors: list[torch.Tensor], devices: list[torch.device], detach:
 
 def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[T]:
     """Replicas of ``network``, one per device; see the module docstring for the guarantees."""
-    if not _replicatable_module(network):
-        raise RuntimeError(
-            "Cannot replicate network where python modules are children of ScriptModule"
-        )
     if not devices:
+        check_replicatable(network, [])
         return []
-    devices = [as_device(d) for d in devices]
-    num = len(devices)
-
     params = list(network.parameters())
-    if any(isinstance(p, UninitializedParameter) for p in params):
-        raise ValueError(_LAZY_MESSAGE)
+    check_replicatable(network, params)
+    devices = [as_device(d) for d in devices]
     param_indices = {p: i for i, p in enumerate(params)}
     param_copies = _broadcast(params, devices, detach)
 
@@ -72,22 +103,11 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     not_rg_copies = _broadcast(not_rg, devices, True)
 
     modules = list(network.modules())
-    module_indices = {m: i for i, m in enumerate(modules)}
-    copies: list[list[Module]] = [[] for _ in devices]
-    for module in modules:
-        for j in range(num):
-            copies[j].append(replicate_module(module))  # NOTE [ Compiled replicas ]
-
+    copies = clone_tree(modules, len(devices))
     for i, module in enumerate(modules):
-        for key, child in module._modules.items():
-            for j in range(num):
-                if child is None:
-                    copies[j][i]._modules[key] = None
-                else:
-                    setattr(copies[j][i], key, copies[j][module_indices[child]])
         for key, param in module._parameters.items():
-            for j in range(num):
-                replica = copies[j][i]
+            for j, row in enumerate(copies):
+                replica = row[i]
                 if param is None:
                     replica._parameters[key] = None
                     continue
@@ -96,17 +116,12 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
                 replica._parameters[key] = p  # ...and visible to parameters() (the fix)
                 replica._former_parameters[key] = p
         for key, buf in module._buffers.items():
-            for j in range(num):
-                replica = copies[j][i]
+            for j, row in enumerate(copies):
                 if buf is None:
-                    replica._buffers[key] = None
+                    row[i]._buffers[key] = None
                 elif buf.requires_grad and not detach:
-                    setattr(replica, key, rg_copies[j][rg_idx[buf]])
+                    setattr(row[i], key, rg_copies[j][rg_idx[buf]])
                 else:
-                    setattr(replica, key, not_rg_copies[j][not_rg_idx[buf]])
-    for i, module in enumerate(modules):
-        for j in range(num):
-            finish_replica(module, copies[j][i])
-    if any(is_compiled(m) for m in modules):
-        budget_for(num)  # NOTE [ One compile budget per device ]
-    return [copies[j][0] for j in range(num)]
+                    setattr(row[i], key, not_rg_copies[j][not_rg_idx[buf]])
+    finish_tree(modules, copies, compiled=False)
+    return [row[0] for row in copies]
