@@ -14,6 +14,13 @@ by ``torch.chunk`` over as many devices and truncated the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastdp import balance
+from fastdp._devices import public_id
 
 
 def chunk_sizes_for(size: int, num_devices: int) -> list[int]:
@@ -56,3 +63,40 @@ def plan_chunks(
 def dropped(leaf_sizes: Sequence[int], plan: Sequence[Sequence[int]]) -> list[int]:
     """Indices of the leaves whose planned chunks do not cover all their rows."""
     return [i for i, (s, p) in enumerate(zip(leaf_sizes, plan)) if sum(p) != s]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One forward's decisions, made once before the scatter and read by every stage after it."""
+
+    ctx: Any  # the torch.compile context replicas run under (None: eager)
+    devices: list[torch.device]  # the devices that get rows, in replica order
+    ids: list[Any]  # their ids as the seams take them (the wrapper's own list when not custom)
+    sizes: list[int] | None = None  # rows per device (chunk_sizes/balance); None: torch.chunk's
+    batch: int | None = None  # the first input's rows, where sizes or Scattered need it
+    direct: bool = False  # the module runs itself: no accelerator, or one CPU device
+    custom: bool = False  # devices/sizes differ from the wrapper's defaults
+    verified: Any = None  # NOTE [ One signature per step ] in fastdp/data_parallel.py
+
+    def rows(self, n: int) -> list[int] | None:
+        """Rows of the first ``n`` replicas (None when no tensor input fixed them)."""
+        if self.sizes is not None:
+            return self.sizes[:n]
+        return None if self.batch is None else chunk_sizes_for(self.batch, len(self.devices))[:n]
+
+
+def make_plan(wrapper: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any,
+              verified: Any = None) -> StepPlan:
+    """The plan of one ``FastDataParallel`` forward: devices, chunk sizes, context."""
+    devices: list[torch.device] = wrapper._devices if wrapper.device_ids else []
+    sizes, used, batch = None, devices, None
+    if wrapper.chunk_sizes is not None or wrapper.balance is not None or not \
+            wrapper.gather_output:  # [beyond DP] the devices that get rows, and how many
+        batch = balance.first_batch_size((inputs, kwargs), wrapper.dim)
+        if devices:
+            used, sizes = balance.plan_devices(devices, batch, wrapper.dim, wrapper.chunk_sizes,
+                                               wrapper.balance)
+    custom = sizes is not None or len(used) != len(devices)
+    ids = [public_id(d) for d in used] if custom else wrapper.device_ids
+    direct = not devices or (len(devices) == 1 and devices[0].type == "cpu")
+    return StepPlan(ctx, used, ids, sizes, batch, direct, custom, verified)

@@ -6,6 +6,8 @@ nn.DataParallel*.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import warnings
 import weakref
@@ -18,7 +20,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _torch_private, _watch, engine, strategies
+from fastdp import _torch_private, _tree, _watch, engine, strategies
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
 from fastdp._compiled import (
@@ -28,7 +30,7 @@ from fastdp._compiled import (
     untraced_forward,
 )
 from fastdp._devices import as_device, as_devices, public_id
-from fastdp._planner import chunk_sizes_for
+from fastdp._planner import StepPlan, make_plan
 from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
 from fastdp.criterion import Scattered
@@ -136,18 +138,15 @@ class FastDataParallel(DataParallel):
         self._drop_warned = False
         self._comm = engine.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
-        self._checked: tuple[int, Any] | None = None
-        self._verified: Any = None  # this step's passed _checked; see _check_device_cached
+        self._checked: tuple[int, Any] | None = None  # NOTE [ One signature per step ]
         self.strategy = strategies.make(launch)  # NOTE [ Launch strategies ]
-        self.last_launch: str | None = None  # the strategy the last multi-replica step ran
+        self._last: dict[str, str | None] = {"launch": None}  # see last_launch
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
         weakref.finalize(self, self._pool.shutdown)
         self.gather_output = gather_output
         self._compile_ctx: Any = None  # FastDataParallel.compile's torch.compile context
-        self._step_ctx: Any = None  # the context of the step in flight (compile or traced)
         self._no_sync = False
-        self._step_rs: ReplicaSet | None = None  # the persistent set replicate() returned
         self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
         self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
         devs = self._resolve_devices(device_ids)
@@ -192,73 +191,64 @@ class FastDataParallel(DataParallel):
             return None
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
-    # NOTE [ Per-step attributes ]
-    # The attributes a step writes hold plain values (never a Parameter, buffer or Module), so
-    # they skip nn.Module.__setattr__ and the mutation watcher around it (fastdp/_watch.py): that
-    # path cost ~0.09 ms a step for these few writes.
-    _STEP_ATTRS = frozenset({"_step_ctx", "_verified", "_step_rs", "last_launch",
-                             "_drop_warned"})
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in FastDataParallel._STEP_ATTRS:
-            self.__dict__[name] = value
-        else:
-            super().__setattr__(name, value)
-
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # see NOTE [ Compiling the wrapper ]
             return untraced_forward(self, inputs, kwargs)
         return self._forward(inputs, kwargs, self._compile_ctx)
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
+        """One step: plan -> scatter -> replicate (refresh) -> parallel_apply -> gather; the
+        reduce runs in backward (fastdp/reducer.py)."""
         with _record_function("FastDataParallel.forward"):
-            self._step_ctx = ctx
-            self._comm.update(_ZERO_STATS)
-            if self._pending_sets and not self._no_sync and torch.is_grad_enabled():
-                self._fold_pending()
-            if not self.device_ids:
-                batch = None if self.gather_output else _balance.first_batch_size(
-                    (inputs, kwargs), self.dim)
-                return self._direct(self._module_for(ctx)(*inputs, **kwargs), batch, None)
-            self._check_device_cached()
-            devices, sizes, batch = self._devices, None, None
-            if self.chunk_sizes is not None or self.balance is not None or not self.gather_output:
-                # [beyond DP] the devices that get rows (0-row ones dropped) and their sizes
-                batch = _balance.first_batch_size((inputs, kwargs), self.dim)
-                devices, sizes = _balance.plan_devices(self._devices, batch, self.dim,
-                                                       self.chunk_sizes, self.balance)
-            custom = sizes is not None or len(devices) != len(self._devices)
-            ids = [public_id(d) for d in devices] if custom else self.device_ids
-            if len(self._devices) == 1 and self._devices[0].type == "cpu":
-                # one CPU device: nothing to move
-                return self._direct(self._module_for(ctx)(*inputs, **kwargs), batch, devices[0])
-            split = {} if sizes is None else {"chunk_sizes": sizes}
-            inputs, module_kwargs = self.scatter(inputs, kwargs, ids, **split)
+            self._start_step()
+            plan = self._plan(inputs, kwargs, ctx)
+            if plan.direct:
+                return self._direct(self._module_for(ctx)(*inputs, **kwargs), plan)
+            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan_split(plan))
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
-                out = self._module_for(ctx)(*inputs[0], **module_kwargs[0])
-                return self._direct(out, batch, devices[0])
-            replicas = self.replicate(self.module, ids if len(ids) == len(inputs)
-                                      else ids[: len(inputs)])
-            on = {"devices": devices[: len(inputs)]} if custom else {}
-            rs, self._step_rs = self._step_rs, None
-            if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
-                on["launch"] = "inline"
-                with backward_with_forward():  # NOTE [ Backward compiled with the forward ]
-                    outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
-            elif rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
-                outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
-            else:
-                with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
-                    outputs = self.parallel_apply(replicas, inputs, module_kwargs, **on)
-            if not self.gather_output:  # [beyond DP]
-                return Scattered(outputs, sizes or _sizes(batch, len(devices), len(outputs)),
-                                 devices[: len(outputs)], self.dim, self._output)
-            if self.scalar_outputs == "stack":
-                return self.gather(outputs, self.output_device)
-            rows = [_rows(i, k, self.dim) for i, k in zip(inputs, module_kwargs)]
-            return self.gather(outputs, self.output_device, weights=rows)
+                return self._direct(self._module_for(ctx)(*inputs[0], **module_kwargs[0]), plan)
+            replicas = self._replicate_step(plan, len(inputs))
+            outputs = self._launch_step(plan, replicas, inputs, module_kwargs)
+            return self._gather_step(plan, outputs, inputs, module_kwargs)
+
+    def _start_step(self) -> None:
+        self._comm.update(_ZERO_STATS)
+        if self._pending_sets and not self._no_sync and torch.is_grad_enabled():
+            self._fold_pending()
+
+    def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> StepPlan:
+        verified = self._check_device_cached() if self.device_ids else None
+        return make_plan(self, inputs, kwargs, ctx, verified)
+
+    def _replicate_step(self, plan: StepPlan, n: int) -> list[Module]:
+        ids = plan.ids if len(plan.ids) == n else plan.ids[:n]
+        if _takes_plan(type(self)):
+            return self.replicate(self.module, ids, plan=plan)
+        return self.replicate(self.module, ids)  # a subclass's DataParallel-signature seam
+
+    def _launch_step(self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any],
+                     kwargs: Sequence[Any]) -> list[Any]:
+        on = {"devices": plan.devices[: len(inputs)]} if plan.custom else {}
+        rs = getattr(replicas, "replica_set", None)
+        if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
+            with backward_with_forward():  # NOTE [ Backward compiled with the forward ]
+                return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
+        if rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
+            return self.parallel_apply(replicas, inputs, kwargs, **on)
+        with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
+            return self.parallel_apply(replicas, inputs, kwargs, **on)
+
+    def _gather_step(self, plan: StepPlan, outputs: list[Any], inputs: Sequence[Any],
+                     kwargs: Sequence[Any]) -> Any:
+        if not self.gather_output:  # [beyond DP]
+            n = len(outputs)
+            return Scattered(outputs, plan.rows(n), plan.devices[:n], self.dim, self._output)
+        if self.scalar_outputs == "stack":
+            return self.gather(outputs, self.output_device)
+        rows = [_rows(i, k, self.dim) for i, k in zip(inputs, kwargs)]
+        return self.gather(outputs, self.output_device, weights=rows)
 
     def _module_for(self, ctx: Any) -> Module:
         """The module to call directly (no replicas), compiled with the wrapper's ``ctx``."""
@@ -311,11 +301,13 @@ class FastDataParallel(DataParallel):
         self._compile_ctx = context_from_options(**kwargs)
         self.invalidate_replicas()
 
-    def _direct(self, output: Any, batch: int | None, device: Any) -> Any:
+    def _direct(self, output: Any, plan: StepPlan) -> Any:
         """The output of a forward that ran the module itself (no replicas, no gather)."""
         if self.gather_output:
             return output
-        return Scattered([output], None if batch is None else [batch], [device], self.dim, None)
+        device = plan.devices[0] if plan.devices else None
+        return Scattered([output], None if plan.batch is None else [plan.batch], [device],
+                         self.dim, None)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``Module.load_state_dict`` taking ``module.``-prefixed (DataParallel, DDP) or bare keys
@@ -325,31 +317,30 @@ class FastDataParallel(DataParallel):
         """
         return load_wrapped_state_dict(self, state_dict, strict, assign)
 
-    def _check_device_cached(self) -> None:
+    def _check_device_cached(self) -> Any:
         """DataParallel's per-step device check, re-run only when the module changed.
 
         NOTE [ One signature per step ]
-        The signature of the module's tensors is computed once per step, here. When it matches
-        ``self._checked`` (same generation too), ``self._verified`` is set to that record, and
-        ``replicate`` (same step) skips the ReplicaSet's own signature when the set was last
-        fully validated under the same record: the set's tensors are the module's parameters and
-        buffers, unchanged since then. Any other call of ``replicate`` validates fully.
+        The module's tensors are signed once per step, here. When the signature matches
+        ``self._checked`` (same generation too) that record is returned and becomes the plan's
+        ``verified``; ``replicate`` with that plan skips the ReplicaSet's own signature when the
+        set was last validated under the same record (its tensors are the module's, unchanged).
+        A ``replicate`` without a plan validates fully.
         """
-        self._verified = None
         gen = _watch.generation()
         if self._checked is not None and self._checked[0] == gen:
             tensors = self._checked[2]
             if tensors is not None and tensor_signature(tensors) == self._checked[1]:
-                self._verified = self._checked
-                return
+                return self._checked
         _check_device(self.module, self.src_device_obj)
         if not self.persistent:
-            return
+            return None
         _watch.watch(self.module.modules())
         tensors = list(chain(self.module.parameters(), self.module.buffers()))
         if any(isinstance(t, UninitializedParameter) for t in tensors):
-            return  # lazy modules: replicate raises DataParallel's error
+            return None  # lazy modules: replicate raises DataParallel's error
         self._checked = (_watch.generation(), tensor_signature(tensors), tensors)
+        return None
 
     def invalidate_replicas(self) -> None:
         """Drop the cached replicas: call after changing the module behind ``nn.Module``'s back
@@ -357,21 +348,22 @@ class FastDataParallel(DataParallel):
         self._replica_sets.clear()
         self._checked = None
 
-    def replicate(self, module: Module, device_ids: Sequence[Any]) -> list[Module]:
+    def replicate(self, module: Module, device_ids: Sequence[Any], *,
+                  plan: StepPlan | None = None) -> list[Module]:
+        """DataParallel's ``replicate``; persistent replicas come back as a list whose
+        ``replica_set`` is their set. ``plan``: the step's (context, verified signature)."""
         devs = _devs(device_ids, self)
         if not self.persistent or module is not self.module:
             return replicate(module, devs, not torch.is_grad_enabled())
-        ctx = self._step_ctx
+        ctx, verified = (self._compile_ctx, None) if plan is None else (plan.ctx, plan.verified)
         key = tuple(devs) if ctx is None else (*devs, ctx)  # NOTE [ Compiling the wrapper ]
         rs = self._replica_sets.get(key)
-        verified, self._verified = self._verified, None  # see NOTE [ One signature per step ]
-        if rs is None or not rs.valid(verified):
+        if rs is None or not rs.valid(verified):  # NOTE [ One signature per step ]
             try:
                 rs = self._replica_sets[key] = ReplicaSet(
                     module, devs, ctx, self.bucket_cap_mb * 2**20, self._comm)
             except NotCacheable:
                 return replicate(module, devs, not torch.is_grad_enabled())
-        self._step_rs = rs
         replicas = rs.refresh(self._no_sync)
         if rs.leaf_mode:
             self.no_sync_stats["micro_steps"] += 1
@@ -407,7 +399,7 @@ class FastDataParallel(DataParallel):
             strategy = strategies.THREADS  # see NOTE [ Replicas that must run at once ]
         if not self.persistent or len(replicas) < 2:
             name = "threads" if strategy.name == "auto" else strategy.name
-            self.last_launch = name
+            self._last["launch"] = name
             return parallel_apply(replicas, inputs, kwargs, devices, launch=name)
         if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
             self._pool.drain()
@@ -416,9 +408,14 @@ class FastDataParallel(DataParallel):
         try:
             results = strategy.run(replicas, inputs, kwargs, devices, self._pool)
         finally:  # also when interrupted: what ran is what the next step must wait for
-            self.last_launch = strategy.ran()
+            self._last["launch"] = strategy.ran()
         raise_first_error(results)
         return results
+
+    @property
+    def last_launch(self) -> str | None:
+        """The strategy the last multi-replica step ran (``"threads"``, ``"inline"``, ...)."""
+        return self._last["launch"]
 
     @property
     def launch(self) -> str:
@@ -444,23 +441,23 @@ class FastDataParallel(DataParallel):
                       scalars=self.scalar_outputs, weights=weights)
 
 
-def _sizes(batch: int | None, num_devices: int, n: int) -> list[int] | None:
-    """torch.chunk sizes of the first input leaf (the planner's plan for it)."""
-    return None if batch is None else chunk_sizes_for(batch, num_devices)[:n]
+def plan_split(plan: StepPlan) -> dict[str, Any]:
+    """The scatter's keyword for the plan's chunk sizes (none: torch.chunk's)."""
+    return {} if plan.sizes is None else {"chunk_sizes": plan.sizes}
+
+
+@functools.cache
+def _takes_plan(cls: type) -> bool:
+    """Whether ``cls.replicate`` takes ``plan=`` (ours does; a DataParallel-style override may
+    not)."""
+    params = inspect.signature(cls.replicate).parameters
+    return "plan" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _rows(inputs: Any, kwargs: Any, dim: int) -> int:
     """A replica's rows: the size along ``dim`` of its first tensor input (1 without one)."""
-    stack = [inputs, kwargs]
-    while stack:
-        x = stack.pop(0)
-        if isinstance(x, torch.Tensor):
-            return x.size(dim) if x.dim() else 1
-        if isinstance(x, (tuple, list)):
-            stack[:0] = list(x)
-        elif isinstance(x, dict):
-            stack[:0] = list(x.values())
-    return 1
+    t = _tree.first_tensor((inputs, kwargs))
+    return 1 if t is None or not t.dim() else t.size(dim)
 
 
 def _devs(ids: Sequence[Any], owner: FastDataParallel) -> list[torch.device]:

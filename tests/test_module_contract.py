@@ -138,3 +138,51 @@ def test_repeated_cuda_ids_are_accepted(backend):
     fdp = FastDataParallel(m, device_ids=[0, 0])
     x = torch.randn(4, 3, device="cuda")
     assert_close(fdp(x), m(x))
+
+
+class Counting(FastDataParallel):
+    """Overrides the seams with DataParallel's own signatures (no ``plan=``), as subclasses of
+    nn.DataParallel do."""
+
+    calls: list
+
+    def scatter(self, inputs, kwargs, device_ids):
+        self.calls.append("scatter")
+        return super().scatter(inputs, kwargs, device_ids)
+
+    def replicate(self, module, device_ids):
+        self.calls.append("replicate")
+        return super().replicate(module, device_ids)
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        self.calls.append("parallel_apply")
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+    def gather(self, outputs, output_device):
+        self.calls.append("gather")
+        return super().gather(outputs, output_device)
+
+
+def test_seams_with_dataparallels_signatures_are_called_in_order(backend):
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    ref = copy.deepcopy(m)
+    fdp = Counting(m, ["cpu"] * 3)
+    fdp.calls = []
+    x = torch.randn(9, 3)
+    for _ in range(2):  # the second step reuses the persistent replicas through the override
+        out = fdp(x)
+    assert fdp.calls == ["scatter", "replicate", "parallel_apply", "gather"] * 2
+    assert len(fdp._replica_sets) == 1
+    assert_close(out, torch.cat([ref(c) for c in x.chunk(3)]))  # BatchNorm per chunk
+    out.sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_a_step_writes_no_attributes_on_the_wrapper(backend):
+    """The step's state lives in its plan (issue 21): nothing is set on the module per step."""
+    fdp = FastDataParallel(nn.Linear(3, 2), ["cpu"] * 2)
+    fdp(torch.randn(4, 3)).sum().backward()
+    before = dict(fdp.__dict__)
+    fdp(torch.randn(4, 3)).sum().backward()
+    assert {k: v for k, v in fdp.__dict__.items() if before.get(k, object()) is not v} == {}
+    assert type(fdp).__setattr__ is nn.Module.__setattr__
