@@ -31,6 +31,12 @@ def replica_ids(kind: str, n: int) -> list[Any]:
     return ["cpu"] * n if kind == "cpu" else [0] * n
 
 
+def home(devices: Sequence[Any]) -> torch.device:
+    """The device of ``devices[0]`` (an id list): where the module and the inputs live."""
+    d = devices[0]
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
 def device_of(kind: str) -> torch.device:
     return torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
 

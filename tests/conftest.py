@@ -2,6 +2,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from fastdp import _backend
 from fastdp.testing import BACKENDS, set_backend
@@ -28,6 +29,20 @@ def backend(request):
     prev = set_backend(request.param)
     yield request.param
     _backend.set_enabled(prev)
+
+
+# The upstream ports' replica sets: two CPU replicas always, two sharing cuda:0 with a GPU.
+UPSTREAM_REPLICAS = [
+    pytest.param(["cpu", "cpu"], id="cpu2"),
+    pytest.param([0, 0], id="cuda00", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+@pytest.fixture(params=UPSTREAM_REPLICAS)
+def devices(request):
+    """A replica set of the upstream ports (test_upstream_*.py)."""
+    return request.param
 
 
 def pytest_report_header(config):

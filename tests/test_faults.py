@@ -22,15 +22,11 @@ from torch import nn
 
 from fastdp import FastDataParallel
 
-pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+# NOTE [ Tests under each launch strategy ]; each also with the extension allowed and forced off
+pytestmark = pytest.mark.usefixtures("launch", "backend")
 
 CPU4 = ["cpu"] * 4
 
-
-@pytest.fixture(autouse=True)
-def _every_backend(backend):
-    """Every test runs with the extension allowed (``ext``) and forced off (``torch``)."""
-    yield backend
 
 
 class Faulty(nn.Module):

@@ -32,7 +32,8 @@ from torch import nn
 from fastdp import FastDataParallel
 from fastdp.replica_set import ReplicaSet
 
-pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+# NOTE [ Tests under each launch strategy ]; each also with the extension allowed and forced off
+pytestmark = pytest.mark.usefixtures("launch", "backend")
 
 N = 3
 # Batch sizes whose torch.chunk pieces on N replicas all have >= 2 rows (BatchNorm in training).
@@ -249,10 +250,6 @@ PersistentReplicas.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-
-@pytest.fixture(autouse=True)
-def _every_backend(backend):
-    yield backend
 
 
 @pytest.mark.parametrize("alias", [True, False], ids=["aliased", "copied"])

@@ -59,32 +59,18 @@ import torch
 
 from fastdp import comm
 from fastdp import scatter_gather as sg
+from fastdp.testing import home
+
+pytestmark = pytest.mark.usefixtures("backend")  # with the extension allowed and forced off
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 needs_2gpus = pytest.mark.skipif(
     not (HAS_CUDA and torch.cuda.device_count() >= 2), reason="needs two distinct GPUs")
 
-REPLICAS = [
-    pytest.param(["cpu", "cpu"], id="cpu2"),
-    pytest.param([0, 0], id="cuda00", marks=needs_cuda),
-]
 
 
-@pytest.fixture(autouse=True)
-def _every_backend(backend):
-    """Every test runs with the extension allowed (``ext``) and forced off (``torch``)."""
-    yield backend
 
-
-@pytest.fixture(params=REPLICAS)
-def devices(request):
-    return request.param
-
-
-def home(devices) -> torch.device:
-    d = devices[0]
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
 
 
 def equal(a, b):

@@ -90,8 +90,10 @@ from fastdp import FastDataParallel, data_parallel
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter
+from fastdp.testing import home
 
-pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+# NOTE [ Tests under each launch strategy ]; each also with the extension allowed and forced off
+pytestmark = pytest.mark.usefixtures("launch", "backend")
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_2GPUS = HAS_CUDA and torch.cuda.device_count() >= 2
@@ -99,28 +101,9 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 needs_2gpus = pytest.mark.skipif(
     not HAS_2GPUS, reason="needs two distinct GPUs (upstream TEST_MULTIGPU part)")
 
-# Replica sets: two CPU replicas always; two replicas sharing cuda:0 when a GPU is present.
-REPLICAS = [
-    pytest.param(["cpu", "cpu"], id="cpu2"),
-    pytest.param([0, 0], id="cuda00", marks=needs_cuda),
-]
 
 
-@pytest.fixture(autouse=True)
-def _every_backend(backend):
-    """Every test runs with the extension allowed (``ext``) and forced off (``torch``)."""
-    yield backend
 
-
-@pytest.fixture(params=REPLICAS)
-def devices(request):
-    return request.param
-
-
-def home(devices) -> torch.device:
-    """The device of ``devices[0]``: where the module and the inputs live."""
-    d = devices[0]
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
 
 
 def close(a, b, **kw):
