@@ -1,20 +1,14 @@
 """Persistent replicas: built once per device tuple, refreshed every step, never stale.
 
 NOTE [ Persistent replicas ]
-A ``ReplicaSet`` clones the module tree once. Replica 0's tensors alias the originals
-(``detach()``: storage and version counter shared, as DataParallel's); replicas on the
-originals' own device alias the storage with version counters of their own (no copy; not under
-``FASTDP_CPU_DISTINCT=1``); the others are tensors on per-bucket flats, refreshed every step
-by the engine (NOTE [ Buckets ] in ``fastdp/engine.py``). Buffers: replica 0's are the
-originals, the others bucket copies. Autograd: one ``BucketReduce`` node per bucket returns the
-replicas' tensors themselves (NOTE [ Early reduction ] in ``fastdp/reducer.py``). With the
-extension the nodes are made once per tensor set and serve every step (they save nothing);
-overwriting copies while a graph still needs them is avoided by renewing them (fresh flats,
-fresh nodes) when a step's graph is alive: pending since its forward and referenced beyond the
-nodes' owner counts right after linking. Without the extension nodes are made every step.
-Rebuilds: NOTE [ Replica invalidation ] in ``fastdp/_watch.py``; compiled modules: NOTE
-[ Compiled replicas ] in ``fastdp/_compiled.py``; ``no_sync()``: NOTE [ no_sync ] in
-``fastdp/_accumulate.py``.
+A ``ReplicaSet`` clones the module tree once (``clone_tree``). Replica 0's tensors alias the
+originals (storage and version counter, as DataParallel's); replicas on the originals' device
+alias the storage with their own version counters; the others live in per-bucket flats that the
+engine refreshes each step (NOTE [ Buckets ]); buffers of replicas 1.. are always copies. One
+reduce node per bucket links the replicas to the originals (NOTE [ Early reduction ]); with the
+extension the nodes serve every step, and when a step's graph is still alive at the next
+refresh the set renews its tensors and nodes rather than overwrite what the graph needs.
+Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled replicas ].
 """
 
 from __future__ import annotations

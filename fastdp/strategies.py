@@ -3,24 +3,15 @@
 Adding a strategy is one ``Strategy`` subclass and one entry in ``_STRATEGIES``.
 
 NOTE [ Launch strategies ]
-``threads``: one persistent worker thread per replica (``fastdp._workers``), as DataParallel's
-one thread per replica. Replicas overlap wherever they release the GIL (CPU kernels of real size,
-blocking CUDA calls), but every hand-off between Python threads costs GIL switches, and a forward
-that is mostly Python and op dispatch (small layers; on GPUs, where kernels are asynchronous, any
-forward) runs *slower* than in turn, its threads fighting over the GIL.
-``inline``: each replica in turn on the caller's thread, under its device; the caller's current
-stream of that device and its grad/autocast state are in force already there (what a worker
-enters from ``capture_state``), so nothing else is entered (``run_in_turn``). On a
-GPU, replicas on distinct devices still run concurrently (the launches are asynchronous); on
-replicas sharing a device, or on CPU replicas of a dispatch-bound model, it is the chunked floor.
-``auto`` (the default): per (device tuple, input signature, grad mode) the first steps are run
-alternately with each strategy (one warm-up each, then ``TRIALS`` timed each, interleaved), the one
-with the lower median wall time of ``parallel_apply`` is kept, and the trial is repeated every
-``RECHECK`` steps of that key. Only the forward differs between strategies: backward is run by the
-autograd engine either way. Errors (``Caught X in replica i on device d.``), Ctrl-C and the
-no-leak guarantees are the same under every strategy. Whatever is asked for, replicas that must
-meet each other during forward run on threads: NOTE [ Replicas that must run at once ] in
-``fastdp/parallel_apply.py``. ``launch=`` on ``FastDataParallel`` or ``FASTDP_LAUNCH`` forces one.
+``threads``: one persistent worker per replica, as DataParallel's threads; replicas overlap where
+they release the GIL, but a dispatch-bound forward (small layers; any forward on a GPU, whose
+kernels are asynchronous) runs slower than in turn. ``inline``: replicas in turn on the caller's
+thread, under its streams and grad/autocast state; distinct GPUs still overlap (asynchronous
+launches). ``auto`` (default): per (devices, input structure, grad mode) both are timed on
+alternate steps (``WARMUP``, then ``TRIALS`` each), the lower median forward is kept and re-tried
+every ``RECHECK`` steps. Errors, Ctrl-C and cleanup are the same under every strategy. Replicas
+that meet inside forward always run on threads (NOTE [ Replicas that must run at once ]).
+``launch=`` or ``FASTDP_LAUNCH`` forces one.
 """
 
 from __future__ import annotations
