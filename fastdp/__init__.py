@@ -10,9 +10,6 @@ from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.distributed import shard_batch, wrap
 from fastdp.install import install, installed, uninstall
 
-# isort: split
-from fastdp._doctor import doctor  # after the modules it checks
-
 __all__ = [
     "FastDataParallel",
     "data_parallel",
@@ -28,3 +25,13 @@ __all__ = [
     "uninstall",
     "installed",
 ]
+
+
+def __getattr__(name: str):
+    """``fastdp.doctor``: the module fastdp/doctor.py, callable as ``doctor()``, imported on first
+    use (imported here, ``python -m fastdp.doctor`` would warn that it was imported already)."""
+    if name == "doctor":
+        import importlib
+
+        return importlib.import_module("fastdp.doctor")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,13 @@
-"""The small input matrix of ``python -m fastdp.doctor`` and its bit-exact comparison.
+"""The doctor's inputs and how it compares them (the checks are in ``fastdp/doctor.py``).
 
 Every copy-like path is run twice on the same inputs, once through the extension and once through
 the torch path of ``fastdp.comm`` (``torch.chunk``/``Tensor.to``/``torch.cat``, and
 ``torch.nn.parallel.comm`` between distinct GPUs), and the results must agree bit for bit: values,
-dtype, shape, strides and device.
+dtype, shape, strides and device. ``cases()`` is the small matrix of every path; the kernel
+checks' ``kernel_cases()`` are at real sizes: every dtype at 2^20 + 3 elements (odd: a tail in
+every vector width), 1M-element transposed, strided and channels_last views, and 40 MiB buffers
+(several staging windows, the direct pinned path); ``quick`` shrinks them to a few KiB and
+1 MiB + 3. Those compare raw bytes (``same_bits``: float8 too).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from fastdp import _backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool,
           torch.complex64]
+MiB = 1 << 20
+AVOID_EXT = "FASTDP_DISABLE_EXT=1"
 
 
 class Mismatch(AssertionError):
@@ -28,12 +34,17 @@ class Skip(Exception):
 
 
 def make(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
-         small_ints: bool = False) -> torch.Tensor:
+         small_ints: bool = False, wide_ints: bool = False) -> torch.Tensor:
     """A CPU tensor of `dtype` with varied bits (integers in [-8, 8] when `small_ints`, so that
-    sums are exact in every dtype and order: NCCL's reduction order is not torch's)."""
+    sums are exact in every dtype and order: NCCL's reduction order is not torch's; every byte
+    value when `wide_ints`)."""
     if dtype == torch.bool:
         return torch.rand(shape, generator=gen) > 0.5
-    if small_ints or not (dtype.is_floating_point or dtype.is_complex):
+    exact = dtype.is_floating_point or dtype.is_complex
+    if wide_ints and not exact:
+        lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128)
+        return torch.randint(lo, hi, shape, generator=gen, dtype=dtype)
+    if small_ints or not exact:
         x = torch.randint(-8, 9, shape, generator=gen)
         return torch.complex(x.float(), -x.float()).to(dtype) if dtype.is_complex else x.to(dtype)
     if dtype.is_complex:
@@ -60,6 +71,45 @@ def cases(small_ints: bool = False) -> Iterator[tuple[str, torch.Tensor, int]]:
     yield "complex64 conj view", make((7, 3), torch.complex64, gen, small_ints).conj(), 0
 
 
+def kernel_dtypes() -> list[torch.dtype]:
+    """Every dtype torch copies here (float8 where this torch has it)."""
+    out = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
+           torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+           torch.bool]
+    return out + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+def kernel_cases(quick: bool = False) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(label naming dtype, shape and layout; CPU tensor; dim)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 4096 + 3 if quick else MiB + 3
+    side = 67 if quick else 1031
+    cl = 8 if quick else 64
+    big = MiB + 3 if quick else 40 * MiB
+
+    def fill(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+        return make(shape, dt, gen, wide_ints=True)
+
+    for dt in kernel_dtypes():
+        yield f"{str(dt).removeprefix('torch.')} ({n},)", fill((n,), dt), 0
+    yield f"float32 ({side + 4}, {side}).t() dim 1", fill((side + 4, side), torch.float32).t(), 1
+    yield (f"bfloat16 ({side}, {2 * side})[:, ::2] dim 0",
+           fill((side, 2 * side), torch.bfloat16)[:, ::2], 0)
+    x = fill((4, cl, cl, cl), torch.float16).contiguous(memory_format=torch.channels_last)
+    yield f"float16 (4, {cl}, {cl}, {cl}) channels_last dim 0", x, 0
+    yield f"float16 (4, {cl}, {cl}, {cl}) channels_last dim 1", x, 1
+    yield f"uint8 ({big},) {big / MiB:.1f} MiB", fill((big,), torch.uint8), 0
+    yield f"float32 ({big // 4 + 3},) {big / MiB:.1f} MiB", fill((big // 4 + 3,), torch.float32), 0
+
+
+def big_kernel_cases(quick: bool) -> list[tuple[str, torch.Tensor, int]]:
+    return [c for c in kernel_cases(quick) if "MiB" in c[0]]
+
+
+def kernel_labels(quick: bool = False) -> list[str]:
+    return [label for label, _, _ in kernel_cases(quick)]
+
+
 def describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype} stride {t.stride()} on {t.device}"
 
@@ -84,6 +134,23 @@ def same(got: Any, want: Any, where: str, strides: bool = True) -> None:
         raise Mismatch(f"{where}: values differ at {len(bad)} element(s), first at {first}")
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s raw bytes, flat (a conj or neg view resolved first)."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    """Raises Mismatch unless dtype, shape, device and every byte agree (strides aside)."""
+    meta = (got.dtype, tuple(got.shape), got.device)
+    if meta != (want.dtype, tuple(want.shape), want.device):
+        raise Mismatch(f"{where}: got {meta}, torch gives "
+                       f"{(want.dtype, tuple(want.shape), want.device)}")
+    g, w = bits(got), bits(want)
+    if not torch.equal(g, w):
+        bad = (g != w).nonzero()
+        raise Mismatch(f"{where}: {len(bad)} byte(s) differ, the first at byte {int(bad[0])}")
+
+
 def ext_vs_torch(fn: Callable[[], Any], where: str, strides: bool = True) -> None:
     """Runs fn() through the extension and through torch; their results must be bit-identical."""
     with _backend.use_extension(True):
@@ -92,9 +159,6 @@ def ext_vs_torch(fn: Callable[[], Any], where: str, strides: bool = True) -> Non
         want = fn()
     sync()
     same(got, want, where, strides)
-
-
-AVOID_EXT = "FASTDP_DISABLE_EXT=1"
 
 
 def gpus() -> int:
