@@ -121,8 +121,8 @@ def running_libstdcxx() -> str | None:
 
     NOTE [ One libstdc++ ]
     A compiler driver that links libstdc++ statically (the GPU image's CXX=/opt/gcc/bin/g++
-    does) puts a second libstdc++ inside fastdp._C; its locale facets are not the process's, so
-    the first error message that streams a number segfaulted (seen on an H100, 2026-11-24).
+    does) puts a second libstdc++ inside fastdp._C whose locale facets are not the process's:
+    the first error message that streams a number segfaults.
     Naming the process's own libstdc++ on the link line, ahead of the driver's libraries,
     resolves every std:: symbol to it (a NEEDED entry) and leaves nothing for a static copy."""
     try:

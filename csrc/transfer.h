@@ -34,7 +34,7 @@ size_t staging_window_for(size_t total, size_t capacity);
 // The window of a GPU-to-GPU copy staged through the host (no usable P2P): staging_window_for when
 // that is the whole copy or at least 1 MiB, else 8 MiB (the pool is off or tiny: those windows go
 // through pageable memory, one D2H + stream sync + H2D each). Never 0 and never below
-// min(total, 1 MiB) whatever the capacity. See NOTE [ Peer access ] in cuda/peer_access.cpp.
+// min(total, 1 MiB) whatever the capacity. Used by staged_copy in cuda/peer_access.cpp.
 size_t staged_copy_window(size_t total, size_t capacity);
 
 }  // namespace fastdp

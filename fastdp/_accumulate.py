@@ -1,35 +1,15 @@
 """``no_sync()``: gradient accumulation that keeps gradients on the replicas between reductions.
 
 NOTE [ no_sync ]
-A step's backward normally runs the bucket nodes' backward (NOTE [ Early reduction ]): every
-replica's gradient is reduced onto the originals' device and summed into ``.grad``. With
-gradient accumulation that is one cross-device reduce of all parameters per micro-step. Under
-``FastDataParallel.no_sync()`` (DDP's API; decided at forward time, as in DDP) a step's replicas
-run on *leaves*: ``detach()`` views of the persistent replica tensors (same storage, no refresh
-node), made once per accumulation cycle, whose ``.grad`` accumulate on the replica's own device.
-Nothing is reduced and the originals' ``.grad`` are not touched.
-
-The first grad-enabled forward outside ``no_sync()`` folds the pending gradients into the
-originals: per parameter, the replicas' sums land on the originals' device in one addition (a
-parameter no replica used stays as it was), and that step's own backward reduces as usual. So
-after the first backward outside, ``.grad`` equals plain accumulation; ``M`` micro-steps cost two
-reductions (the fold and the last step's) instead of ``M``.
-
-Safety:
-* Pending gradients are never overwritten: inside ``no_sync()`` the replica tensors are copied
-  from the originals only on a cycle's first micro-step (nothing changes the originals between
-  micro-steps; copying would also bump the version of tensors a pending graph saved), and never
-  replaced (``_renew``) while leaves are in use.
-* A model change inside ``no_sync()`` rebuilds the replica set; the old set stays registered
-  with the wrapper until the fold, so its gradients are not lost (they go to the parameters they
-  were computed for, as plain accumulation would).
-* ``model.zero_grad()`` between micro-steps drops the pending gradients, as it drops DDP's. An
-  optimizer's ``zero_grad()`` is seen where it changes the originals' ``.grad`` (identity and
-  version, marked when a cycle starts and compared at every later micro-step and at the fold);
-  one that finds them None already (``set_to_none`` after a step) leaves no trace, so the
-  pending gradients stay: call the model's ``zero_grad()`` to drop them mid-cycle.
-* ``persistent=False``, one device or no devices: the module's gradients go straight into the
-  originals every step (correct accumulation, nothing saved).
+Under ``FastDataParallel.no_sync()`` (DDP's API, decided at forward time) replicas run on leaves:
+``detach()`` views of the persistent replica tensors, made once per accumulation cycle, whose
+``.grad`` accumulate on each replica's device; nothing is reduced and the originals' ``.grad``
+are untouched, so ``M`` micro-steps cost two reductions (a fold and the last step's), not ``M``.
+The next grad-enabled forward outside ``no_sync()`` folds them into the originals' ``.grad``
+(``fold``), which then equal plain accumulation. Pending gradients are never overwritten: replica
+tensors are copied only on a cycle's first micro-step and never renewed while leaves are in use,
+and a set rebuilt mid-cycle stays registered until the fold. A ``zero_grad()`` that changes the
+originals' ``.grad`` drops them; without persistent replicas, gradients go to the originals.
 """
 
 from __future__ import annotations

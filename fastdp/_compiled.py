@@ -1,39 +1,20 @@
 """``torch.compile`` on replicas: compiled modules copied safely, every replica running compiled.
 
+``compile_root`` compiles a replica root with the context given to the wrapper
+(``FastDataParallel.compile`` or ``torch.compile(FastDataParallel(m))``; see
+NOTE [ Compiling the wrapper ] below). Nothing here imports ``torch._dynamo`` (2 s): a module can
+only be compiled once it is imported. The private torch APIs used live in ``_torch_private.py``.
+
 NOTE [ Compiled replicas ]
-A module is compiled in one of two ways, and neither survives DataParallel's shallow copy:
-
-* ``torch.compile(m, ...)`` returns an ``OptimizedModule`` that holds ``m`` as ``_orig_mod`` and
-  forwards every attribute write it does not own to ``m``. ``Module._replicate_for_data_parallel``
-  writes ``_parameters``/``_buffers``/``_modules`` on the copy, so those writes land on ``m``
-  itself: ``m._modules`` becomes ``{'_orig_mod': m}`` and the next call recurses forever (the
-  RecursionError of issue 13; ``nn.DataParallel`` fails the same way). ``replicate_module``
-  copies the ``__dict__`` directly instead, and the copy's ``forward`` (bound to the original
-  ``m``) is rebuilt around the replica's own ``_orig_mod`` by ``OptimizedModule._initialize``.
-* ``m.compile(...)`` stores ``torch.compile(m._call_impl)`` in ``m._compiled_call_impl``, a
-  function closed over the *original* ``m``: a copy would run the original module (original
-  device, original tensors, gradients bypassing the reduce). The replica gets the same dynamo
-  context applied to its own ``_call_impl``.
-
-Both re-wrap with the user's own ``_TorchDynamoContext`` (the object ``torch.compile`` built), so
-``mode``, ``backend``, ``options``, ``dynamic``, ``fullgraph`` and ``recompile_limit`` are exactly
-the user's, and one backend instance serves every replica. Dynamo caches compiled code on code
-objects, guarded on the module's type and attributes, with parameters as graph inputs: replicas
-of one module pass each other's guards, so a replica set compiles once in all (replicas' plain
-tensors differ from ``nn.Parameter`` originals, so calling the original compiled module elsewhere
-is a second entry). Replicas run in order (NOTE below), so replica 0 compiles and the others hit
-its entry; a partial batch recompiles once for all replicas (dynamo's automatic dynamic shapes),
-as the plain compiled module on the chunks in turn does. A rebuilt
-replica set (see NOTE [ Replica invalidation ]) is re-wrapped from the *current* originals, and
-dynamo's guards reject code specialised on an attribute that changed, so no stale compiled code
-runs.
-
-``compile_root`` compiles a replica root with a context given to the wrapper
-(``FastDataParallel.compile`` or ``torch.compile(FastDataParallel(m))``): see NOTE [ Compiling
-the wrapper ] in ``fastdp/data_parallel.py``.
-
-Nothing here imports ``torch._dynamo`` (2 s): a module can only be compiled once it is imported.
-The private torch APIs this needs live in ``fastdp/_torch_private.py``.
+Neither compiled form survives DataParallel's shallow copy. ``torch.compile(m)``'s
+``OptimizedModule`` forwards attribute writes to ``m``, so ``_replicate_for_data_parallel`` would
+set ``m._modules = {'_orig_mod': m}`` (endless recursion): ``replicate_module`` copies the
+``__dict__`` instead and ``finish_replica`` rebuilds ``forward`` around the replica's own
+``_orig_mod``. ``m.compile()``'s ``_compiled_call_impl`` closes over the original ``m``, so the
+replica gets the same dynamo context around its own ``_call_impl``. Both reuse the user's context
+(same options, one backend instance); dynamo guards on type and attributes, with parameters as
+inputs, so replicas on one device share entries; a rebuilt set (NOTE [ Replica invalidation ])
+is re-wrapped from the current originals, whose changed attributes fail stale code's guards.
 """
 
 from __future__ import annotations
@@ -86,7 +67,8 @@ def replicate_module(m: Module) -> Module:
 
 
 def finish_replica(orig: Module, r: Module) -> None:
-    """Point ``r``'s compiled entry at ``r`` itself (after its children were set); see NOTE."""
+    """Aim ``r``'s compiled entry at ``r`` itself (NOTE [ Compiled replicas ]); call once its
+    children are set."""
     if is_optimized(orig):
         r._initialize()  # forward = ctx(r._orig_mod.__call__), as OptimizedModule.__init__
         r.__dict__["_torchdynamo_orig_callable"] = r._orig_mod.forward
@@ -109,43 +91,26 @@ def compile_root(r: Module, ctx: Any) -> Module:
 
 
 # NOTE [ Compiled replicas run in order ]
-# A replica set running compiled code on two or more replicas runs them in order on the caller's
-# thread every step, whatever ``launch`` says (``ReplicaSet.in_order``; the inline strategy):
-# dynamo's cache lookup and guard evaluation are not thread-safe (pytorch #118260, #123177).
-# Compiled replicas on worker threads failed guards at random ("Unexpected recompilation:
-# runtime guards failed even though they passed during recompilation-reason analysis"): two
-# spurious recompiles in a suite run under load. In order, replica 0 compiles and the
-# others hit its entry, exactly as the plain compiled module on the chunks in turn; kernels stay
-# asynchronous, so distinct GPUs still overlap. The cost: CPU replicas of a compute-bound model
-# no longer overlap on threads. Exception: replicas that meet inside a forward (SyncBatchNorm,
-# replication callbacks) must run at once and stay on threads. Backward is autograd's: on CPU
-# in the caller's thread; on distinct GPUs each device's thread runs its replica's compiled
-# backward, compiled already by its forward (NOTE [ Backward compiled with the forward ]).
+# A replica set running compiled code on two or more replicas runs them in turn on the caller's
+# thread every step, whatever ``launch`` says (``ReplicaSet.in_order``, the inline strategy):
+# dynamo's cache lookup and guard evaluation are not thread-safe (pytorch #118260, #123177; on
+# threads, guards failed at random). Replicas compile in turn and reuse entries on one device;
+# kernels stay asynchronous, so distinct GPUs still overlap, but CPU replicas no longer do.
+# Replicas that meet inside a forward stay on threads (NOTE [ Replicas that must run at once ]).
+# Backward is autograd's (on distinct GPUs, one thread per device), each replica's backward
+# compiled already by its forward (NOTE [ Backward compiled with the forward ]).
 
 
 # NOTE [ CUDA graphs on replicas ]
 # mode="reduce-overhead" (and "max-autotune", backend="cudagraphs") replays CUDA graphs through
-# torch/_inductor/cudagraph_trees.py, whose rules decide how replicas may run:
-# * A tree manager (one memory pool, one recording state machine, no lock) exists per *thread*
-#   and device: ``get_container`` reads thread-local state, and autograd's device threads get
-#   the caller's containers through the TLS stash (so a backward uses the tree of the thread
-#   that called ``backward``). A compiled function binds the manager of the thread that first
-#   ran it. Replicas share one compiled entry (NOTE [ Compiled replicas ]), so replicas on
-#   worker threads would drive one tree from several threads at once (a race), and record
-#   their forwards in a tree other than the one their backward replays in.
-#   Compiled sets run their replicas *in order on the caller's thread* every step (NOTE
-#   [ Compiled replicas run in order ], the inline launch strategy): one tree per device,
-#   forwards and backwards in it, kernels still asynchronous (distinct GPUs overlap).
-# * Within a step each replica's forward is a node of its own in the tree's path (the earlier
-#   replicas' outputs await their backward, so the next call cannot reuse their memory); the
-#   order is fixed, so the path is recorded once and replayed.
-# * Static inputs: inputs not marked static are copied into the graph's own buffers on every
-#   replay, i.e. all parameters of every replica, every step. Persistent replica tensors keep
-#   their addresses across steps, so they are marked static (``mark_static``,
-#   ``_dynamo_static_input_type = "unguarded"``: a changed address re-records the graph instead
-#   of failing a guard): after ``_renew`` or a rebuild the tree re-records once. no_sync's leaves
-#   share the persistent storage, hence the addresses.
-# Unverified on a GPU so far (tests/test_compile.py::test_reduce_overhead_* skip without one).
+# torch/_inductor/cudagraph_trees.py, whose tree managers (one pool each, no lock) are per thread
+# and device: a compiled function binds the manager of the thread that first ran it, and a
+# backward replays in the tree of the thread that called ``backward``. Replicas share compiled
+# code, so on worker threads they would race on one tree; run in order on the caller's thread
+# (NOTE [ Compiled replicas run in order ]), each device has one tree whose path (one node per
+# replica's forward, in a fixed order) is recorded once. Persistent replica tensors and no_sync's
+# leaves keep their addresses, so ``mark_static`` makes them static inputs (not copied on every
+# replay; "unguarded": a changed address, after ``_renew`` or a rebuild, re-records once).
 
 
 # NOTE [ One compile budget per device ]
@@ -157,13 +122,13 @@ def compile_root(r: Module, ctx: Any) -> Module:
 # ``budget_for(n)`` raises ``recompile_limit`` (and ``accumulated_recompile_limit``) to the
 # user's own value times ``n``, never lowers them, and starts again from a value the user set
 # since. One compiled callable per device would not help: dynamo's cache is on the code object,
-# not on the callable. The CPU test gives each replica its own guarded attribute instead.
+# not on the callable. (tests/test_compile_across_devices.py: a guarded attribute per replica.)
 _budget: dict[str, int] = {}
 
 
 def budget_for(num_replicas: int) -> None:
-    """Scale dynamo's recompile limits to ``num_replicas`` (NOTE [ One compile budget per
-    device ]); a no-op before ``torch._dynamo`` is imported (nothing is compiled then)."""
+    """Scale dynamo's recompile limits to ``num_replicas`` (see
+    NOTE [ One compile budget per device ]); a no-op before ``torch._dynamo`` is imported."""
     cfg = _torch_private.dynamo_module("config")
     if cfg is None or num_replicas <= 1:
         return
@@ -179,12 +144,12 @@ def budget_for(num_replicas: int) -> None:
 
 # NOTE [ Backward compiled with the forward ]
 # AOT autograd compiles a backward lazily, on its first call. Compiled replicas run forward in
-# order on the caller's thread (NOTE below), but across GPUs their backwards run on each
-# device's autograd thread: lazy compiles of one step would run concurrently, and inductor's
-# compile is not thread-safe. ``backward_with_forward()`` sets functorch's
-# ``force_non_lazy_backward_lowering`` around the in-order forwards, so every backward a
-# replica's forward compiles is compiled right there, in turn, on the caller's thread
-# (a forward that never runs backward pays for its compile: the price of no lock in backward).
+# order on the caller's thread (NOTE [ Compiled replicas run in order ]), but across GPUs their
+# backwards run on each device's autograd thread: lazy compiles of one step would run at once,
+# and inductor's compile is not thread-safe. ``backward_with_forward()`` sets functorch's
+# ``force_non_lazy_backward_lowering`` around the in-order forwards, so each backward is compiled
+# with its forward, in turn, on the caller's thread (a forward never run backward still pays for
+# its backward's compile: the price of no lock in backward).
 @contextmanager
 def backward_with_forward() -> Iterator[None]:
     cfg = _torch_private.functorch_config()
@@ -196,7 +161,7 @@ def backward_with_forward() -> Iterator[None]:
 
 
 def mark_static(tensors: Any) -> None:
-    """Mark persistent replica tensors as static graph inputs (see NOTE above)."""
+    """Mark persistent replica tensors as static graph inputs (NOTE [ CUDA graphs on replicas ])."""
     for row in tensors:
         for t in row:
             t._dynamo_static_input_type = "unguarded"
@@ -226,18 +191,15 @@ def _warn_once(msg: str) -> None:
 
 
 # NOTE [ Compiling the wrapper ]
-# ``torch.compile(FastDataParallel(m))`` makes dynamo trace the wrapper's forward: planning,
-# scatter, threads and gather are host code it cannot capture (one graph break and warning per
-# fastdp op, slower than eager), and the replicas' forwards run on worker threads, where the
-# caller's compile context does not reach. So ``forward`` hands itself back to eager at once
-# (``torch.compiler.is_compiling()`` is true only while dynamo traces it; the disabled function
-# is one clean graph break, no warning) and compiles the module *inside* every replica instead,
-# with the context of the innermost ``torch.compile`` on the stack: the user's own options. The
-# replica sets are keyed by that context, so the compiled and the plain wrapper can alternate.
-# ``FastDataParallel.compile(**options)`` does the same without dynamo ever seeing the wrapper,
-# and is the form for ``fullgraph=True``: a wrapper step is never one graph, so
-# ``torch.compile(FastDataParallel(m), fullgraph=True)`` fails at the disabled function, whose
-# name in dynamo's error says which form to use. A module compiled already keeps its own options.
+# Dynamo cannot capture a wrapper step (planning, scatter, threads and gather are host code: a
+# graph break and warning per fastdp op, slower than eager), and the caller's compile context does
+# not reach replicas on worker threads. So under ``torch.compile(FastDataParallel(m))``, ``forward``
+# hands itself back to eager (``untraced_forward``: one clean graph break, no warning) and compiles
+# the module inside every replica with the innermost ``torch.compile``'s context, the user's
+# options; replica sets are keyed by it, so compiled and plain calls can alternate.
+# ``FastDataParallel.compile(**options)`` does the same unseen by dynamo and is the form for
+# ``fullgraph=True``, which fails at the disabled function, whose name says which form to use.
+# A module compiled already keeps its own options.
 def _forward_from_compile(fdp: Any, inputs: tuple, kwargs: dict) -> Any:
     ctx = fdp._compile_ctx if fdp._compile_ctx is not None else enclosing_context()
     return fdp._forward(inputs, kwargs, ctx)

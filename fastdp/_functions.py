@@ -2,9 +2,9 @@
 
 ``Scatter`` and ``Gather`` are fused: one Function application covers every leaf of a step, so the
 Python work per step does not grow with the number of leaves' chunks. Where every replica shares
-one device, ``fastdp.scatter_gather`` uses ``split``/``cat`` instead (NOTE [ Same-device scatter
-and gather ]). ``Broadcast`` and
-``ReduceAddCoalesced`` mirror torch's (each one's backward is the other) through ``fastdp.comm``.
+one device, ``fastdp.scatter_gather`` uses ``split``/``cat`` instead (see
+NOTE [ Same-device scatter and gather ]). ``Broadcast`` and ``ReduceAddCoalesced`` mirror torch's
+(each one's backward is the other) through ``fastdp.comm``.
 Under ``create_graph=True`` the backward of Scatter and Gather is the other Function, so double
 backward works whichever backend (extension kernels carry no autograd history) did the copies.
 """

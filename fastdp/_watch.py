@@ -1,34 +1,15 @@
 """Cheap detection of structural changes to the modules that persistent replicas were built from.
 
 NOTE [ Replica invalidation ]
-Persistent replicas are shallow copies of the original modules (``_replicate_for_data_parallel``)
-whose tensors are refreshed every step. They go stale when the *Python objects* they copied change,
-and must then be rebuilt. The kinds of change, and what catches each, without a per-step walk:
-
-* Module tree, plain attributes, ``training`` flags, parameters/buffers replaced by assignment
-  (``model.module.scale = 3.0``, ``model.eval()``, ``seq.append(m)``, ``register_buffer``,
-  ``load_state_dict(assign=True)``, ``.to()``/``.half()``/``.double()``): every such change goes
-  through ``nn.Module.__setattr__``, ``__delattr__``, ``add_module``/``register_module``,
-  ``register_parameter``, ``register_buffer`` or ``_apply``. ``install()`` wraps those methods once
-  per process to bump a global generation counter when the module is *watched* (an original that
-  some replica set was built from; membership is a WeakSet, so nothing leaks and pickles are
-  untouched). Replicas are never watched, so attributes set inside ``forward`` do not count.
-  Check per step: one integer comparison.
-* Tensor identity, shape, strides, dtype, device, ``requires_grad`` of the originals
-  (``p.requires_grad_(False)``, ``p.data = ...``, swapped tensors): a signature of the cached
-  parameter and buffer list, computed by one C++ call (``fastdp._C.tensor_signature``) or a tuple
-  in Python when the extension is off. Per step: O(P) in C++, O(1) Python calls.
-* In-place updates (optimizer steps, ``weight.mul_()``, ``load_state_dict``'s ``copy_``): seen
-  because every step copies the originals into the replicas.
-* Hooks need nothing: replicas share the original modules' hook dicts (shallow ``__dict__`` copy).
-
-* Attributes that a replica's own ``forward`` sets (``self.calls += 1``, caches): DataParallel
-  starts every step from fresh copies, so such writes never outlive a step. Replicas are tracked
-  with a snapshot of their ``__dict__``; the wrapped ``__setattr__``/``__delattr__`` mark a tracked
-  replica dirty, and the next refresh restores only the dirty ones.
-
-Not seen: writes that bypass ``Module`` methods (``module.__dict__[k] = v``,
-``module._modules[k] = m`` directly); call ``FastDataParallel.invalidate_replicas()`` after those.
+Persistent replicas are shallow copies whose tensors are refreshed every step; they are rebuilt
+when the Python objects they copied change, found without a per-step walk. Module tree, plain
+attributes, ``training`` and replaced tensors change through ``nn.Module`` methods that
+``install()`` wraps to bump a generation counter for watched originals (ids, dropped by a
+finalizer): one int comparison per step. Tensor identity, shape, strides, dtype, device,
+``requires_grad``: a signature of the originals (``fastdp._C.tensor_signature`` or a tuple).
+In-place updates need nothing (every step copies), nor hooks (shared dicts); a replica's own
+writes in ``forward`` are undone at the next refresh. Writes that bypass ``Module`` methods
+(``m.__dict__[k] = v``) are not seen: call ``FastDataParallel.invalidate_replicas()``.
 
 NOTE [ Opting out of the watch ]
 The wrap is process-wide: once a persistent wrapper has run a step, every ``nn.Module`` attribute
@@ -63,8 +44,8 @@ _PATCHED = ("__setattr__", "__delattr__", "add_module", "register_module", "regi
 
 
 def enabled() -> bool:
-    """Whether the watch may be installed: ``FASTDP_WATCH_MODULES=0`` opts out (NOTE
-    [ Opting out of the watch ])."""
+    """Whether the watch may be installed: ``FASTDP_WATCH_MODULES=0`` opts out (see
+    NOTE [ Opting out of the watch ])."""
     return os.environ.get("FASTDP_WATCH_MODULES", "1") != "0"
 
 

@@ -14,11 +14,11 @@ the number of devices). Tensors that cannot be flattened (sparse, quantized) for
 NOTE [ Transports ]
 Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
 own ``broadcast(out=)`` and ``reduce_add`` (``torch.nn.parallel.comm``, which ``torch.cuda.comm``
-re-exports only once imported), which issue one NCCL
-call (torch's cached communicators) when the flats sit on distinct GPUs and fall back to copies
-otherwise (repeated ids). Everything runs on the calling thread's current stream of each device:
-the caller's streams for a refresh (the replicas then run on the same streams, NOTE [ The
-caller's streams ]), the streams autograd gives the bucket's node for a reduce.
+re-exports only once imported): one NCCL call (torch's cached communicators) when the flats sit
+on distinct GPUs, copies otherwise (repeated ids). Everything runs on the calling thread's
+current stream of each device: the caller's streams for a refresh (the replicas then run on the
+same streams, NOTE [ The caller's streams ]), the streams autograd gives the bucket's node for a
+reduce.
 """
 
 from __future__ import annotations

@@ -13,14 +13,13 @@ the destination (CPU replicas, repeated GPU ids) one multi-tensor add per replic
 NOTE [ Early reduction ]
 Each bucket's node returns the replicas' tensors of that bucket and, in backward, their sum to
 the originals (so ``.grad``, hooks on the originals, ``autograd.grad`` and double backward see
-DataParallel's total). Autograd runs ready nodes highest sequence number first, and nodes made
-before the forward would wait for the whole backward; so each node gets the sequence number
-``AccumulateGrad`` has (the maximum) and runs as soon as every replica's gradients for its bucket
-exist, while earlier layers are still in backward: DDP's early bucket launch, in one process.
-With the extension the node is C++ (``csrc/bucket_reduce.cpp``, made once per tensor set): it
-sums same-device rows itself (the same multi-tensor adds as ``reduce_add``) and calls Python once
-per bucket, where a Python Function pays ~2 us per gradient; rows on other devices go to
-``reduce_add``. Without it, ``BucketReduce`` below, made every step.
+DataParallel's total). Autograd runs ready nodes highest sequence number first, and a node made
+before the forward would wait for the whole backward; so each node gets ``AccumulateGrad``'s
+sequence number (the maximum) and runs once every replica's gradients for its bucket exist, while
+earlier layers are still in backward: DDP's early bucket launch, in one process. With the
+extension the node is C++ (``csrc/bucket_reduce.cpp``, made once per tensor set): it sums
+same-device rows itself and calls Python once per bucket, not per gradient; rows on other devices
+go to ``reduce_add``. Without it, ``BucketReduce`` below, made every step.
 """
 
 from __future__ import annotations
@@ -176,8 +175,8 @@ class BucketLink:
 
 class BucketReduce(Function):
     """``BucketReduce.apply(link, rows, *sources)`` -> ``rows`` flattened row-major: the
-    persistent replica tensors themselves become outputs of this node (NOTE [ Early
-    reduction ]); backward sums them onto the sources with ``reduce_add``."""
+    persistent replica tensors themselves become outputs of this node (see
+    NOTE [ Early reduction ]); backward sums them onto the sources with ``reduce_add``."""
 
     @staticmethod
     def forward(ctx, link, rows, *sources):

@@ -10,12 +10,11 @@ with one shared context per original module, as their ``DataParallelWithCallback
 NOTE [ Synchronising replicas without a barrier in backward ]
 Forward: each replica posts its per-channel (mean, biased var, count) to a rendezvous and waits for
 the others' (a Condition, not threading.Barrier: a completed meeting stays complete even if the
-step is aborted right after). Every replica then combines all of them, in replica order (Chan's
-parallel variance), on its own device, through differentiable copies. Backward needs no meeting:
-the global statistics are nodes of one autograd graph spanning the replicas, so the engine sums
-``sum_dy`` / ``sum_dy_xmu`` (the gradients ``_BatchNormElemt`` returns for mean and invstd) from all
-replicas before differentiating the local statistics. A barrier in backward would deadlock: on the
-CPU, and for replicas sharing a GPU, the engine runs the replicas' backward on one thread.
+step is aborted right after), then combines all of them in replica order (Chan's parallel
+variance) on its own device, through differentiable copies. Backward needs no meeting: the global
+statistics are nodes of one autograd graph spanning the replicas, so the engine sums ``sum_dy`` /
+``sum_dy_xmu`` from all replicas before differentiating the local ones; a barrier there would
+deadlock where the engine runs several replicas' backward on one thread (CPU, a shared GPU).
 A replica that raises, finishes without reaching a layer the others wait at, or times out
 (``FASTDP_SYNC_TIMEOUT`` seconds, default 300) releases the others with an error; none hangs.
 """

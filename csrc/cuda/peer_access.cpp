@@ -24,31 +24,14 @@
 #include "transfer.h"
 
 // NOTE [ Peer access ]
-// Enabling is torch's: at::cuda::get_p2p_access(dev, peer) asks cudaDeviceCanAccessPeer and, when
-// it may, enables the access through CUDACachingAllocator::enablePeerAccess, which also maps the
-// allocator's expandable segments and cudaMallocAsync pools into the peer (cudaDeviceEnable-
-// PeerAccess alone does not cover them: a copy from such memory would fault). torch caches the
-// answer and its own copy_ uses the same one. fastdp adds only what torch does not know, cached
-// per pair (decide()): FASTDP_P2P=0, and a verification copy each way of 1 MiB of a known pattern
-// between tensors of the caching allocator (the memory real copies touch), through direct_copy (the
-// call real copies use). Any failure there (wrong bytes, a CUDA error, no memory for the check)
-// means "staged path" for the pair, once, with a warning; never an error on every scatter.
-//
-// Ordering of a direct copy (it runs on dst_stream): dst_stream first waits for src_stream (the
-// source is ready), and afterwards src_stream waits for dst_stream, so that work the caller
-// queues on the source's stream next (an in-place write, a free and reuse by the caching allocator)
-// cannot overtake the read. This is the two-way barrier of ATen's cross-device copy_. The staged
-// path reads the source with a D2H on src_stream itself, so it is ordered already.
-//
-// Why not ATen's copy_ for the direct copy: copy_ runs every cross-device copy on the SOURCE
-// device's current stream, so the N copies of one scatter from cuda:0 queue one behind another;
-// here each runs on its destination's stream and they overlap. copy_ also knows neither
-// FASTDP_P2P=0 nor a failed verification (it copies peer to peer whenever torch enabled access).
-// (`python -m fastdp.bench --suite multigpu-comm` compares the two scatters on 2+ GPUs.)
-//
-// Staged path (no usable P2P): windows of staged_copy_window() (transfer.h) bytes, each D2H into a
-// pinned block on src_stream, an event, H2D on dst_stream; without a block (pool off or full of
-// lent blocks), through pageable memory with a src_stream synchronisation per window.
+// p2p_usable decides once per pair: FASTDP_P2P=0 says no; else torch's get_p2p_access both ways
+// (it also maps the caching allocator's expandable segments and cudaMallocAsync pools into the
+// peer, which cudaDeviceEnablePeerAccess alone does not), then a 1 MiB checksum copy each way
+// through direct_copy. Any failure warns once and stages the pair: never an error per scatter.
+// A direct copy runs on dst_stream, not ATen's copy_ (which queues every copy of a scatter on the
+// source's stream, one behind another), so a scatter's copies overlap. Ordering is copy_'s
+// two-way barrier: dst_stream waits for src_stream, then src_stream for dst_stream, so the
+// caller's next work on the source (a write, a free) cannot overtake the read.
 
 namespace fastdp {
 namespace {
@@ -97,7 +80,9 @@ bool decide(c10::DeviceIndex a, c10::DeviceIndex b) {
   return false;
 }
 
-// See NOTE [ Peer access ] (staged path).
+// No usable P2P (NOTE [ Peer access ]): per window, D2H into a pinned block on src_stream, an
+// event, H2D on dst_stream; without a block, pageable memory and a src_stream sync per window.
+// The source is read on src_stream itself, so it needs no barrier with the caller's work there.
 void staged_copy(char* dst, const c10::cuda::CUDAStream& dst_stream, const char* src,
                  const c10::cuda::CUDAStream& src_stream, size_t bytes) {
   const size_t window = staged_copy_window(bytes, pinned_pool_capacity());

@@ -11,29 +11,15 @@
 #include <optional>
 
 // NOTE [ Pinned staging ]
-// A host-to-device copy from pageable memory is synchronous for the host and is staged by the
-// driver through its own small pinned buffers, one call per tensor; this is what torch's per-leaf
-// `.to(device)` pays. fastdp packs every chunk bound for a device into one pinned block on the host
-// and issues one cudaMemcpyAsync per device on that device's background copy stream.
-//
-// Why our own pool rather than torch's CachingHostAllocator: that cache keeps every block it has
-// ever allocated (power-of-two rounded) until empty_cache() and is shared with the user's
-// pin_memory() tensors, so it has no bound we could promise. This pool has a hard capacity
-// (FASTDP_PINNED_POOL_MB, default 256 MiB; 0 turns staging off) and uses the same safety rule:
-// every stream that reads or writes a block records an event on it (PinnedBlock::record), and a
-// block is lent again only once all its events completed. The host thus never overwrites bytes a
-// pending copy still reads, and waits only when the pool is at capacity, then on the event of the
-// oldest in-flight block (one copy), never on a device-wide synchronisation. The difference is the
-// bound, not speed: with both, a staged scatter is one pinned memcpy per device (the choice
-// claims no speed; `python -m fastdp.bench --suite gpu-comm` compares the two on a GPU).
-//
-// Requests above the capacity get an empty handle and the caller takes an unstaged path. Sizes are
-// rounded (1 MiB steps, powers of two from 64 KiB below that) so steps with the same shapes reuse
-// their blocks. cudaFreeHost synchronises implicitly, so blocks are freed only when the capacity
-// forces it or on pinned_pool_empty_cache(). Blocks are cudaHostAllocPortable: any device's copy
-// may use them. PinnedBlock is RAII: an exception between acquire and record returns the block at
-// once (no copy touched it); after record its events guard it. The pool itself is deliberately
-// leaked at exit: freeing pinned memory after the CUDA runtime shut down crashes.
+// An H2D copy from pageable memory blocks the host and is staged by the driver per tensor (torch's
+// per-leaf `.to(device)`); fastdp packs host chunks into pinned blocks, a window each, and issues
+// one cudaMemcpyAsync per window. The pool is fastdp's, not torch's CachingHostAllocator (which
+// keeps every block until empty_cache() and is shared with the user's pin_memory(), so it has no
+// bound): FASTDP_PINNED_POOL_MB caps it (default 256; 0 turns staging off), and a request above
+// the cap gets an empty handle (the caller copies unstaged). A block is lent again only once the
+// events its streams recorded (PinnedBlock::record) completed, so no pending copy's bytes are
+// overwritten; at capacity the pool waits on the oldest block's events, never a device sync.
+// The pool is leaked at exit: cudaFreeHost after the CUDA runtime shut down crashes.
 
 namespace fastdp {
 
@@ -61,6 +47,7 @@ size_t capacity_from_env() {
   return static_cast<size_t>(mb) * kMiB;
 }
 
+// 1 MiB steps, powers of two from 64 KiB below: steps with the same shapes reuse their blocks.
 size_t rounded(size_t bytes) {
   if (bytes >= kMiB) return (bytes + kMiB - 1) / kMiB * kMiB;
   size_t r = size_t{64} << 10;
@@ -158,6 +145,7 @@ class Pool {
  private:
   PinnedBlockState* allocate(size_t bytes) {
     void* ptr = nullptr;
+    // Portable: any device's copy may use the block.
     const cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();  // out of pinned memory: the caller takes the unstaged path
@@ -173,6 +161,8 @@ class Pool {
     return blocks_.back().get();
   }
 
+  // cudaFreeHost synchronises implicitly: blocks are freed only when the capacity forces it or on
+  // empty_cache().
   bool free_one_idle() {
     for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
       if (idle(**it)) {
