@@ -12,6 +12,7 @@ import json
 import math
 import os
 from collections import defaultdict
+from collections.abc import Callable
 
 STEP_SUITES = ("passthrough", "cpu-replicas", "gpu-steps", "multigpu-steps")
 SCHEMA = "fastdp-bench/1"
@@ -319,6 +320,14 @@ def _load(meta: dict) -> str:
     return f"{la['start']:.1f} at start, {la['end']:.1f} at end"
 
 
+def _markdown_table(rows: list[dict] | None, header: str, rule: str,
+                    row: Callable[[dict], str]) -> list[str]:
+    """A Markdown table of ``rows`` (a line each by ``row``), then a blank line; none if no rows."""
+    if not rows:
+        return []
+    return [header, rule, *(row(r) for r in rows), ""]
+
+
 def headline_markdown(doc: dict) -> str:
     """The headline figures of a results file as Markdown tables (for bench/README.md)."""
     meta, head = doc["meta"], doc["headline"]
@@ -330,38 +339,37 @@ def headline_markdown(doc: dict) -> str:
              f"{' (uncommitted changes)' if meta['fastdp'].get('dirty') else ''}, "
              f"command `{meta['command']}`, {meta['machine']['torch_threads']} torch thread(s), "
              f"1-min load average {_load(meta)}.", ""]
-    if head.get("replicate_cpu"):
-        lines += ["| layers | replicas | fastdp replicate (ms) | DataParallel's algorithm (ms) "
-                  "| ratio |", "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['layers']} | {r['replicas']} | {r['fastdp_ms']:.3g} | "
-                  f"{r['dp_algo_ms']:.3g} | {r['ratio']:.3f} |" for r in head["replicate_cpu"]]
-        lines.append("")
-    if head.get("overhead"):
-        lines += ["| workload | parameter tensors | mode | step (ms) | host overhead (ms) | "
-                  "wrapper Python calls per step |", "|---|---:|---|---:|---:|---:|"]
-        lines += [f"| {r['workload']} | {r['params']} | {r['mode']} | {_fmt(r['step_ms'])} | "
-                  f"{_fmt(r['overhead_ms'])} | {_fmt(r['wrapper_calls_per_step'])} |"
-                  for r in head["overhead"]]
-        lines.append("")
-    if head.get("steps_fastdp"):
-        lines += ["| suite | workload | input | replicas | fastdp step (ms) | x floor | x bare "
-                  "| x dp_algo | x nn.DataParallel |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['suite']} | {r['workload']} | {r['input']} | {r['replicas']} | "
+    lines += _markdown_table(
+        head.get("replicate_cpu"),
+        "| layers | replicas | fastdp replicate (ms) | DataParallel's algorithm (ms) | ratio |",
+        "|---:|---:|---:|---:|---:|",
+        lambda r: f"| {r['layers']} | {r['replicas']} | {r['fastdp_ms']:.3g} | "
+                  f"{r['dp_algo_ms']:.3g} | {r['ratio']:.3f} |")
+    lines += _markdown_table(
+        head.get("overhead"),
+        "| workload | parameter tensors | mode | step (ms) | host overhead (ms) | "
+        "wrapper Python calls per step |",
+        "|---|---:|---|---:|---:|---:|",
+        lambda r: f"| {r['workload']} | {r['params']} | {r['mode']} | {_fmt(r['step_ms'])} | "
+                  f"{_fmt(r['overhead_ms'])} | {_fmt(r['wrapper_calls_per_step'])} |")
+    lines += _markdown_table(
+        head.get("steps_fastdp"),
+        "| suite | workload | input | replicas | fastdp step (ms) | x floor | x bare "
+        "| x dp_algo | x nn.DataParallel |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        lambda r: f"| {r['suite']} | {r['workload']} | {r['input']} | {r['replicas']} | "
                   f"{_fmt(r['step_ms'])} | {_fmt(r.get('vs_floor'))} | {_fmt(r.get('vs_bare'))} | "
-                  f"{_fmt(r.get('vs_dp_algo'))} | {_fmt(r.get('vs_torch_dp'))} |"
-                  for r in head["steps_fastdp"]]
-        lines.append("")
-    if head.get("launch"):
-        lines += ["| suite | workload | replicas | floor (ms) | threads (x floor) "
-                  "| inline (x floor) | auto (x floor) | auto picked | auto / threads |",
-                  "|---|---|---:|---:|---:|---:|---:|---|---:|"]
-        lines += [f"| {r['suite']} | {r['workload']} | {r['replicas']} | {_fmt(r['floor_ms'])} | "
+                  f"{_fmt(r.get('vs_dp_algo'))} | {_fmt(r.get('vs_torch_dp'))} |")
+    lines += _markdown_table(
+        head.get("launch"),
+        "| suite | workload | replicas | floor (ms) | threads (x floor) "
+        "| inline (x floor) | auto (x floor) | auto picked | auto / threads |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        lambda r: f"| {r['suite']} | {r['workload']} | {r['replicas']} | {_fmt(r['floor_ms'])} | "
                   f"{_fmt(r['threads_ms'])} ({_fmt(r['threads_x_floor'])}) | "
                   f"{_fmt(r['inline_ms'])} ({_fmt(r['inline_x_floor'])}) | "
                   f"{_fmt(r['auto_ms'])} ({_fmt(r['auto_x_floor'])}) | {r['auto_pick']} | "
-                  f"{_fmt(r['auto_x_threads'])} |" for r in head["launch"]]
-        lines.append("")
+                  f"{_fmt(r['auto_x_threads'])} |")
     if head.get("not_ok"):
         lines += ["Not ok in this run: " + "; ".join(head["not_ok"]), ""]
     return "\n".join(lines)

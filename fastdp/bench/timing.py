@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -48,23 +49,13 @@ def cuda_sync(devices: Sequence[torch.device | int | str]) -> Callable[[], None]
     return sync
 
 
-def measure(
-    fn: Callable[[], object],
-    *,
-    warmup: int = 2,
-    repeats: int = 10,
-    min_repeat_s: float = 0.0,
-    max_total_s: float | None = None,
-    sync: Callable[[], None] | None = None,
-    max_inner: int = 10_000,
-) -> Stats:
-    """Times ``fn`` after ``warmup`` calls: ``repeats`` repeats of ``inner`` calls each.
-
-    ``max_total_s`` caps the time spent on the repeats (at least 3 repeats are kept) so that one
-    slow configuration cannot eat the whole run; the number actually done is reported.
+def measure(fn: Callable[[], object], **options: Any) -> Stats:
+    """Times ``fn`` after ``warmup`` calls: ``repeats`` repeats of ``inner`` calls each. The
+    keyword ``options`` and their defaults are ``measure_many``'s; ``max_total_s`` caps the time
+    spent on the repeats (at least 3 repeats are kept) so that one slow configuration cannot eat
+    the whole run; the number actually done is reported.
     """
-    return measure_many({"_": fn}, warmup=warmup, repeats=repeats, min_repeat_s=min_repeat_s,
-                        max_total_s=max_total_s, sync=sync, max_inner=max_inner)["_"]
+    return measure_many({"_": fn}, **options)["_"]
 
 
 Timed = Callable[[], object] | tuple[Callable[[], object], Callable[[object], None]]
