@@ -103,9 +103,12 @@ def input_key(inputs: Any, kwargs: Any) -> tuple:
     shapes and dtypes (positional and keyword)."""
     if not len(inputs):
         return (0,)
+    first = inputs[0]
+    if not (kwargs and kwargs[0]) and all(type(t) is torch.Tensor for t in first):
+        return (len(inputs), len(first), *[(tuple(t.shape), t.dtype) for t in first])  # common
     leaves: list[torch.Tensor] = []
-    spec = _tree.flatten((inputs[0], kwargs[0] if kwargs else None), leaves)
-    return (len(inputs), _tree.structure_key(spec), *((t.shape, t.dtype) for t in leaves))
+    spec = _tree.flatten((first, kwargs[0] if kwargs else None), leaves)
+    return (len(inputs), _tree.structure_key(spec), *[(tuple(t.shape), t.dtype) for t in leaves])
 
 
 _TRIED = ("threads", "inline")  # what auto measures, by name; ties go to the first
