@@ -23,6 +23,30 @@ struct Args {  // what forward needs once; nothing of it is kept
   c10::intrusive_ptr<BucketState> state;
 };
 
+// Whether every gradient of `row` can be summed into in place, by AccumulateGrad's rule for
+// stealing one (impl::is_tensor_stealable): this node holds the only reference, it is dense (no
+// expanded view) and strided, and no graph is being built (create_graph). A gradient that flows
+// to several places is shared, so its count is above 1. Saves an allocation per tensor.
+bool sole_owner(const variable_list& row) {
+  if (at::GradMode::is_enabled()) return false;
+  for (const at::Tensor& g : row) {
+    if (g.use_count() != 1 || g.layout() != at::kStrided || !g.is_non_overlapping_and_dense() ||
+        g.requires_grad())
+      return false;
+  }
+  return true;
+}
+
+// sums += row: one multi-tensor kernel on a GPU; on the CPU, where _foreach_add_ loops over the
+// tensors with more checks than add_ (~1.2 vs ~0.55 us per small tensor), add_ in turn.
+void add_into(variable_list& sums, const variable_list& row) {
+  if (!sums.empty() && sums[0].is_cpu()) {
+    for (size_t i = 0; i < sums.size(); ++i) sums[i].add_(row[i]);
+  } else {
+    at::_foreach_add_(sums, row);
+  }
+}
+
 struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
   // `sources` must be an at::TensorList: ExtractVariables treats a std::vector as a non-tensor.
   static variable_list forward(AutogradContext* ctx, std::shared_ptr<Args> args,
@@ -38,7 +62,9 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
     return args->replicas;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  // `grads` by reference: CppNode passes its own list (moved from the engine) and never reads it
+  // again, so moving out of it leaves this node the sole owner of each gradient.
+  static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     auto state = c10::static_intrusive_pointer_cast<BucketState>(
         ctx->saved_data["state"].toCapsule());
     const int64_t n = ctx->saved_data["n"].toInt();
@@ -52,7 +78,7 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
     for (int64_t j = 0; j < r; ++j) {
       rows[j].reserve(needed.size());
       for (int64_t k : needed) {
-        at::Tensor g = grads[j * n + k];
+        at::Tensor g = std::move(grads[j * n + k]);  // sole owner where autograd made it
         if (!g.defined()) g = at::zeros(state->sizes[k], state->like[k].options());
         local = local && g.device() == state->dest;
         rows[j].push_back(std::move(g));
@@ -64,6 +90,9 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
     if (needed.empty()) {
     } else if (!local) {
       sums = state->hooks->reduce_rows(rows);
+    } else if (sole_owner(rows[0])) {  // sum into row 0's gradients: nothing else sees them
+      sums = std::move(rows[0]);
+      for (int64_t j = 1; j < r; ++j) add_into(sums, rows[j]);
     } else {
       sums = at::_foreach_add(rows[0], rows[1]);  // never aliases an incoming gradient
       for (int64_t j = 2; j < r; ++j) at::_foreach_add_(sums, rows[j]);

@@ -159,6 +159,47 @@ def test_the_native_bucket_node_sums_as_reduce_add_does(n):
             assert torch.equal(a, b)
 
 
+class _SharedGrads(nn.Module):
+    """Gradients the bucket node must not sum into: one tensor sent to two parameters (``a + b``),
+    an expanded one (``p.sum()``), next to ordinary fresh ones (``lin``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.a, self.b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+        self.p = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.lin(x) @ (self.a + self.b) + self.p.sum()
+
+
+@pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_native_node_sums_in_place_only_into_gradients_it_owns(n):
+    """The C++ node sums into row 0's gradients where it is their sole owner (AccumulateGrad's
+    rule); shared and expanded gradients take the out-of-place sum. Bit-identical to the Python
+    node either way, and to the plain module on the same chunks."""
+    torch.manual_seed(0)
+    x = torch.randn(4 * n, 4)
+    grads = {}
+    for native in (True, False):
+        torch.manual_seed(1)
+        m = _SharedGrads()
+        with _backend.use_extension(native):
+            fdp = FastDataParallel(m, ["cpu"] * n)
+            for _ in range(2):  # the second step reuses the nodes
+                m.zero_grad(set_to_none=True)
+                fdp(x).square().sum().backward()
+        grads[native] = {k: v.grad.clone() for k, v in m.named_parameters()}
+    torch.manual_seed(1)
+    ref = _SharedGrads()
+    for c in x.chunk(n):
+        ref(c).square().sum().backward()
+    for k, g in grads[True].items():
+        assert torch.equal(g, grads[False][k]), k
+        assert_close(g, dict(ref.named_parameters())[k].grad, msg=k)
+
+
 # ---- parity of distinct replicas with the plain module on the same chunks ---------------------
 
 class _Net(nn.Module):
