@@ -78,6 +78,10 @@ class StepPlan:
     custom: bool = False  # devices/sizes differ from the wrapper's defaults
     verified: Any = None  # NOTE [ One signature per step ] in fastdp/data_parallel.py
 
+    def split(self) -> dict[str, Any]:
+        """The scatter's keyword for the chunk sizes (none: torch.chunk's)."""
+        return {} if self.sizes is None else {"chunk_sizes": self.sizes}
+
     def rows(self, n: int) -> list[int] | None:
         """Rows of the first ``n`` replicas (None when no tensor input fixed them)."""
         if self.sizes is not None:

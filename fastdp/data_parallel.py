@@ -204,7 +204,7 @@ class FastDataParallel(DataParallel):
             plan = self._plan(inputs, kwargs, ctx)
             if plan.direct:
                 return self._direct(self._module_for(ctx)(*inputs, **kwargs), plan)
-            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan_split(plan))
+            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan.split())
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
@@ -439,11 +439,6 @@ class FastDataParallel(DataParallel):
         each replica's rows, for ``"mean"``)."""
         return gather(outputs, _dev(output_device, self), dim=self.dim,
                       scalars=self.scalar_outputs, weights=weights)
-
-
-def plan_split(plan: StepPlan) -> dict[str, Any]:
-    """The scatter's keyword for the plan's chunk sizes (none: torch.chunk's)."""
-    return {} if plan.sizes is None else {"chunk_sizes": plan.sizes}
 
 
 @functools.cache
