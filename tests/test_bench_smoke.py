@@ -141,3 +141,17 @@ def test_torch_dp_without_cuda_is_checked_against_the_whole_batch():
     by_mode = {r["mode"]: r for r in recs}
     assert by_mode["torch_dp"]["status"] == "ok", by_mode["torch_dp"].get("check")
     assert by_mode["fastdp"]["status"] == "ok", by_mode["fastdp"].get("check")
+
+
+def test_repeats_asked_for_are_all_timed():
+    """``--repeats N`` times N repeats even where the profile's time cap would cut them short."""
+    from fastdp.bench import timing
+
+    s = cli.settings("cpu", 7, (4,))
+    assert (s.repeats, s.max_total_s) == (7, None)
+    assert cli.settings("cpu", None, (4,)).max_total_s == 3.0
+    slow = timing.measure_many({"a": lambda: sum(range(20_000))}, repeats=7, warmup=1,
+                               max_total_s=s.max_total_s)
+    capped = timing.measure_many({"a": lambda: sum(range(20_000))}, repeats=7, warmup=1,
+                                 max_total_s=1e-9)
+    assert (slow["a"].repeats, capped["a"].repeats) == (7, 3)

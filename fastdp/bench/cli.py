@@ -68,8 +68,8 @@ def settings(profile: str, repeats: int | None, replicas: tuple[int, ...]) -> Se
         "tiny": dict(repeats=2, warmup=1, min_repeat_s=0.0, max_total_s=0.2),
         "quick": dict(repeats=5, warmup=1, min_repeat_s=0.005, max_total_s=0.4),
     }.get(profile, dict(repeats=10, warmup=1, min_repeat_s=0.02, max_total_s=3.0))
-    if repeats is not None:
-        base["repeats"] = repeats
+    if repeats is not None:  # asked for: exactly that many, not capped by the profile's time
+        base.update(repeats=repeats, max_total_s=None)
     return Settings(profile=profile, replicas=replicas, **base)
 
 
@@ -85,7 +85,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="output directory (default: bench/out)")
     p.add_argument("--suite", nargs="+", default=["auto"], metavar="SUITE",
                    help=f"auto (by hardware), all, or any of: {', '.join(ALL_SUITES)}")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repeats per configuration, all of them (default: the profile's, "
+                        "cut short after a few seconds per configuration)")
     p.add_argument("--replicas", type=int, nargs="+", default=None,
                    help="replica counts for the step suites (default: 1 2 4; --quick: 1 4)")
     p.add_argument("--threads", type=int, default=1,

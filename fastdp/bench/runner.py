@@ -31,7 +31,7 @@ class Settings:
     repeats: int = 10
     warmup: int = 1
     min_repeat_s: float = 0.02
-    max_total_s: float = 3.0
+    max_total_s: float | None = 3.0  # None: every repeat
     replicas: tuple[int, ...] = (1, 2, 4)
     rtol_cpu: float = 1e-4
     rtol_cuda: float = 2e-3  # cuDNN picks per-shape algorithms (TF32 convolutions by default)
