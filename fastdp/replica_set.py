@@ -13,6 +13,7 @@ Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled repli
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -23,6 +24,22 @@ from fastdp._accumulate import LeafAccumulation
 from fastdp._compiled import compile_root, is_compiled, mark_static
 from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
 from fastdp.replicate import check_replicatable, clone_tree, finish_tree
+
+# NOTE [ RNN replicas ]
+# RNNBase keeps its weights in a list and weakrefs to them; when a ref no longer matches the
+# attribute, forward rebuilds both (a Python __setattr__ each, which dirties the replica) and
+# calls flatten_parameters(), which on cuDNN moves the tensors onto a new buffer (``set_``) so
+# they stop seeing the refreshes. A slot assignment points both at the replica's tensors, so
+# forward never rebuilds them, and the snapshot restore leaves them alone (protected keys).
+_RNN_CACHE = ("_flat_weights", "_flat_weight_refs")
+
+
+def _point_rnn_cache(r: Module) -> None:
+    d = r.__dict__
+    weights = [d.get(n) for n in r._flat_weights_names]
+    d["_flat_weights"] = weights
+    if "_flat_weight_refs" in d:
+        d["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in weights]
 
 
 def tensor_signature(tensors: list[torch.Tensor]) -> Any:
@@ -172,7 +189,7 @@ class ReplicaSet(LeafAccumulation):
             mark_static(self.buffer_copies)
         self.copies = copies
         self._assign()
-        slot_keys: dict[int, set] = {}
+        slot_keys: dict[int, set] = {i: set(_RNN_CACHE) for i in self.rnn_rows}
         for i, key, _ in self.slots:
             slot_keys.setdefault(i, set()).add(key)
         for row in copies:
@@ -211,8 +228,7 @@ class ReplicaSet(LeafAccumulation):
                 r._parameters[key] = t
                 r._former_parameters[key] = t
             for i in self.rnn_rows:
-                r = row[i]
-                r._flat_weights = [r.__dict__.get(n) for n in r._flat_weights_names]
+                _point_rnn_cache(row[i])
 
     def valid(self, verified: Any = None) -> bool:
         """Whether the replicas still match the module. ``verified``: the wrapper's record of a

@@ -420,3 +420,52 @@ def test_held_outputs_across_steps_stay_correct(backend, monkeypatch):
             o.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+@pytest.mark.parametrize("alias", [True, False])
+def test_rnn_replicas_keep_their_weight_cache_and_train_as_the_module(backend, monkeypatch,
+                                                                      alias):
+    """NOTE [ RNN replicas ]: a replica's LSTM never rebuilds its weight list in forward (that
+    would call flatten_parameters, which moves cuDNN weights off the refreshed tensors), also
+    after its tensors are renewed under a held graph; training matches the module."""
+    monkeypatch.setattr(ReplicaSet, "alias_same_device", alias)
+    rebuilt = []
+    orig = nn.LSTM._init_flat_weights
+
+    def counting(self):
+        rebuilt.append(self)
+        orig(self)
+
+    monkeypatch.setattr(nn.LSTM, "_init_flat_weights", counting)
+    torch.manual_seed(0)
+    model = _Recurrent()
+    ref = copy.deepcopy(model)
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 3)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    held = []
+    for step in range(6):
+        x = torch.randn(7, 4, 6)
+        for m, o in ((fdp, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = m(x).pow(2).mean()
+            if m is fdp and step % 2:
+                held.append(loss)  # a live graph: the next refresh renews the replicas' tensors
+            loss.backward(retain_graph=True)
+            o.step()
+    assert [m for m in rebuilt if m is not model.lstm and m is not ref.lstm] == []
+    for rep in fdp.replicate(model, fdp.device_ids):
+        lstm = rep.lstm
+        assert [w is getattr(lstm, n) for w, n in
+                zip(lstm._flat_weights, lstm._flat_weights_names)] == [True] * 8
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q, rtol=1e-5, atol=1e-6)
