@@ -1,5 +1,6 @@
 #include "bucket_reduce.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/custom_class.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -37,13 +38,44 @@ bool sole_owner(const variable_list& row) {
   return true;
 }
 
-// sums += row: one multi-tensor kernel on a GPU; on the CPU, where _foreach_add_ loops over the
-// tensors with more checks than add_ (~1.2 vs ~0.55 us per small tensor), add_ in turn.
-void add_into(variable_list& sums, const variable_list& row) {
-  if (!sums.empty() && sums[0].is_cpu()) {
-    for (size_t i = 0; i < sums.size(); ++i) sums[i].add_(row[i]);
-  } else {
-    at::_foreach_add_(sums, row);
+// Whether `g` can be summed into `sum` by a plain loop over their memory: the same floating
+// dtype and strides, both dense (so element k of memory is element k of both), CPU, and memory
+// that does not overlap. The loop then adds exactly as add_ does (one IEEE add per element).
+bool plain_loop_ok(const at::Tensor& sum, const at::Tensor& g) {
+  if (g.scalar_type() != sum.scalar_type() || !g.is_cpu() || g.strides() != sum.strides() ||
+      g.sizes() != sum.sizes() || !g.is_non_overlapping_and_dense() || g.is_neg())
+    return false;
+  const char* a = static_cast<const char*>(sum.const_data_ptr());
+  const char* b = static_cast<const char*>(g.const_data_ptr());
+  const size_t bytes = static_cast<size_t>(sum.numel()) * sum.element_size();
+  return a + bytes <= b || b + bytes <= a;
+}
+
+// sums[i] += rows[j][i] for j >= 1, in that order per element. On a GPU one multi-tensor kernel
+// per row. On the CPU each tensor gets every row before the next (it stays in cache), by a plain
+// loop for float and double, add_ otherwise: add_'s dispatch was most of a bucket of small
+// tensors (mlp1000, 4 replicas: 6000 sums, 5.7 -> 2.5 ms a step; mlp100: 0.23 -> 0.05 ms).
+void add_rows_into(variable_list& sums, const std::vector<variable_list>& rows) {
+  if (sums.empty() || !sums[0].is_cpu()) {
+    for (size_t j = 1; j < rows.size(); ++j) at::_foreach_add_(sums, rows[j]);
+    return;
+  }
+  for (size_t i = 0; i < sums.size(); ++i) {
+    at::Tensor& sum = sums[i];
+    const bool floating = sum.scalar_type() == at::kFloat || sum.scalar_type() == at::kDouble;
+    for (size_t j = 1; j < rows.size(); ++j) {
+      const at::Tensor& g = rows[j][i];
+      if (!floating || !plain_loop_ok(sum, g)) {
+        sum.add_(g);
+        continue;
+      }
+      const int64_t n = sum.numel();
+      AT_DISPATCH_FLOATING_TYPES(sum.scalar_type(), "fastdp_bucket_sum", [&] {
+        scalar_t* out = sum.mutable_data_ptr<scalar_t>();
+        const scalar_t* in = g.const_data_ptr<scalar_t>();
+        for (int64_t k = 0; k < n; ++k) out[k] += in[k];
+      });
+    }
   }
 }
 
@@ -92,7 +124,7 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
       sums = state->hooks->reduce_rows(rows);
     } else if (sole_owner(rows[0])) {  // sum into row 0's gradients: nothing else sees them
       sums = std::move(rows[0]);
-      for (int64_t j = 1; j < r; ++j) add_into(sums, rows[j]);
+      add_rows_into(sums, rows);
     } else {
       sums = at::_foreach_add(rows[0], rows[1]);  // never aliases an incoming gradient
       for (int64_t j = 2; j < r; ++j) at::_foreach_add_(sums, rows[j]);
