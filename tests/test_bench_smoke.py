@@ -155,3 +155,13 @@ def test_repeats_asked_for_are_all_timed():
     capped = timing.measure_many({"a": lambda: sum(range(20_000))}, repeats=7, warmup=1,
                                  max_total_s=1e-9)
     assert (slow["a"].repeats, capped["a"].repeats) == (7, 3)
+
+
+def test_interleaved_rounds_rotate_which_function_runs_first():
+    from fastdp.bench import timing
+
+    order: list[str] = []
+    fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
+    timing.measure_many(fns, repeats=3, warmup=1)
+    rounds = order[-9:]  # after each function's warm-up and calibration calls
+    assert [rounds[i:i + 3] for i in (0, 3, 6)] == [list("abc"), list("bca"), list("cab")]

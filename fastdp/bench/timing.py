@@ -73,7 +73,9 @@ def measure_many(
 ) -> dict[str, Stats]:
     """Like ``measure`` for several functions, interleaved: repeat k of every function runs before
     repeat k + 1 of any, so drift of the machine (clock, other load) hits them all alike and the
-    ratios between them are fair. ``max_total_s`` caps the sum over all functions.
+    ratios between them are fair; round k starts at function k (mod their number), so none always
+    runs right after the same other one (threads that slept, caches another one filled).
+    ``max_total_s`` caps the sum over all functions.
 
     A value ``(fn, after)`` times ``fn`` alone, one call per repeat, and then calls
     ``after(fn's result)`` outside the timed region (e.g. a backward that the measured call's
@@ -104,8 +106,10 @@ def measure_many(
         per_round = sum(first[k] * inner[k] for k in pairs)
         repeats = max(3, min(repeats, int(max_total_s / per_round)))
     times: dict[str, list[float]] = {k: [] for k in pairs}
-    for _ in range(repeats):
-        for name, (fn, after) in pairs.items():
+    names = list(pairs)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, after = pairs[name]
             if after is not None:
                 times[name].append(once(fn, after) * 1e3)
                 continue
