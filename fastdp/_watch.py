@@ -5,11 +5,12 @@ Persistent replicas are shallow copies whose tensors are refreshed every step; t
 when the Python objects they copied change, found without a per-step walk. Module tree, plain
 attributes, ``training`` and replaced tensors change through ``nn.Module`` methods that
 ``install()`` wraps to bump a generation counter for watched originals (ids, dropped by a
-finalizer): one int comparison per step. Tensor identity, shape, strides, dtype, device,
-``requires_grad``: a signature of the originals (``fastdp._C.tensor_signature`` or a tuple).
-In-place updates need nothing (every step copies), nor hooks (shared dicts); a replica's own
-writes in ``forward`` are undone at the next refresh. Writes that bypass ``Module`` methods
-(``m.__dict__[k] = v``) are not seen: call ``FastDataParallel.invalidate_replicas()``.
+finalizer; rebinding the object already bound bumps nothing): one int comparison per step.
+Tensor identity, shape, strides, dtype, device, ``requires_grad``: a signature of the originals
+(``fastdp._C.tensor_signature`` or a tuple). In-place updates need nothing (every step copies),
+nor hooks (shared dicts); a replica's own writes in ``forward`` are undone at the next refresh.
+Writes that bypass ``Module`` methods (``m.__dict__[k] = v``) are not seen: call
+``FastDataParallel.invalidate_replicas()``.
 
 NOTE [ Opting out of the watch ]
 The wrap is process-wide: once a persistent wrapper has run a step, every ``nn.Module`` attribute
@@ -26,7 +27,7 @@ import threading
 import weakref
 from typing import Any
 
-from torch.nn import Module
+from torch.nn import Module, Parameter
 
 # Membership by id: a set lookup of an int, no weakref made per call (the wrapper runs on every
 # nn.Module attribute write in the process). A finalizer drops the id when its module dies.
@@ -110,6 +111,19 @@ def has_dirty() -> bool:
     return bool(_dirty)
 
 
+def _rebinds_same(module: Module, name: str, value: Any) -> bool:
+    """Whether ``module.name = value`` binds the object already bound (``model.train()`` every
+    step, as HF Trainer does): nothing for the replicas to see, so no rebuild."""
+    d = module.__dict__
+    if name in d:  # a module or parameter set here moves into _modules / _parameters
+        return d[name] is value and not isinstance(value, (Module, Parameter))
+    for slots in ("_parameters", "_buffers", "_modules"):
+        held = d.get(slots)
+        if held is not None and name in held:
+            return held[name] is value
+    return False
+
+
 def _wrap(name: str, orig: Any) -> Any:
     # The hot methods get fixed signatures: packing *args/**kwargs was most of the cost.
     # Their parameter names are nn.Module's, for callers passing them by keyword.
@@ -119,20 +133,21 @@ def _wrap(name: str, orig: Any) -> Any:
             i = id(self)
             if i in _hot:  # one lookup for the common case: a module nobody watches
                 if i in _watched:
-                    _generation += 1
+                    if not _rebinds_same(self, name, value):
+                        _generation += 1
                 elif i in _snapshots:
                     _dirty[i] = self
             return orig(self, name, value)
     elif name == "register_parameter":
         def wrapper(self, name, param):
             global _generation
-            if id(self) in _watched:
+            if id(self) in _watched and not _rebinds_same(self, name, param):
                 _generation += 1
             return orig(self, name, param)
     elif name in ("add_module", "register_module"):
         def wrapper(self, name, module):
             global _generation
-            if id(self) in _watched:
+            if id(self) in _watched and not _rebinds_same(self, name, module):
                 _generation += 1
             return orig(self, name, module)
     else:

@@ -92,3 +92,32 @@ def test_wrapped_methods_take_nn_modules_keywords():
     m.register_buffer(name="b", tensor=torch.zeros(1), persistent=False)
     assert _watch.generation() >= gen + 4
     torch.testing.assert_close(dp(x), _chunked(m, x, 2))
+
+
+def test_rebinding_what_is_bound_costs_no_rebuild_and_real_changes_still_do(monkeypatch):
+    """``model.train()`` before every step (HF Trainer's training_step) rebinds the same
+    ``training`` value: the replicas are built once. eval() and real rebinds are still seen."""
+    from fastdp.replica_set import ReplicaSet
+
+    builds = []
+    orig = ReplicaSet.__init__
+
+    def counting(self, *a, **k):
+        builds.append(1)
+        orig(self, *a, **k)
+
+    monkeypatch.setattr(ReplicaSet, "__init__", counting)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    dp = FastDataParallel(m, ["cpu"] * 2)
+    x = torch.randn(6, 4)
+    for _ in range(4):
+        dp.train()
+        m[0].weight = m[0].weight  # the same parameter again
+        dp(x).sum().backward()
+    assert len(builds) == 1
+    dp.eval()
+    torch.testing.assert_close(dp(x), _chunked(m, x, 2))  # dropout off in every replica
+    assert len(builds) == 2
+    m[2].weight = nn.Parameter(torch.zeros(2, 4))
+    torch.testing.assert_close(dp(x), _chunked(m, x, 2))
+    assert len(builds) == 3
