@@ -55,6 +55,22 @@ def pytest_report_header(config):
 
 
 @pytest.fixture
+def replica_builds(monkeypatch):
+    """A list that gets one entry per ``ReplicaSet`` built during the test."""
+    from fastdp.replica_set import ReplicaSet
+
+    builds: list[int] = []
+    orig = ReplicaSet.__init__
+
+    def counting(self, *a, **k):
+        builds.append(1)
+        orig(self, *a, **k)
+
+    monkeypatch.setattr(ReplicaSet, "__init__", counting)
+    return builds
+
+
+@pytest.fixture
 def sigint():
     """SIGINT raises KeyboardInterrupt while ``state["armed"]`` (the yielded dict), then never
     kills the run; the previous handler is restored after the test. Needed because a run started

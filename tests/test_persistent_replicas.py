@@ -183,15 +183,8 @@ def test_scenarios_fail_without_refresh(monkeypatch):
     assert all(_fails(n) for n in caught)
 
 
-def test_replicas_are_built_once_in_steady_state(backend, monkeypatch):
-    builds = []
-    orig = ReplicaSet.__init__
-
-    def counting(self, *a, **k):
-        builds.append(1)
-        orig(self, *a, **k)
-
-    monkeypatch.setattr(ReplicaSet, "__init__", counting)
+def test_replicas_are_built_once_in_steady_state(backend, replica_builds):
+    builds = replica_builds
     model = Scaled()
     fdp = FastDataParallel(model, device_ids=["cpu"] * N)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

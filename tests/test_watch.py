@@ -94,19 +94,10 @@ def test_wrapped_methods_take_nn_modules_keywords():
     torch.testing.assert_close(dp(x), _chunked(m, x, 2))
 
 
-def test_rebinding_what_is_bound_costs_no_rebuild_and_real_changes_still_do(monkeypatch):
+def test_rebinding_what_is_bound_costs_no_rebuild_and_real_changes_still_do(replica_builds):
     """``model.train()`` before every step (HF Trainer's training_step) rebinds the same
     ``training`` value: the replicas are built once. eval() and real rebinds are still seen."""
-    from fastdp.replica_set import ReplicaSet
-
-    builds = []
-    orig = ReplicaSet.__init__
-
-    def counting(self, *a, **k):
-        builds.append(1)
-        orig(self, *a, **k)
-
-    monkeypatch.setattr(ReplicaSet, "__init__", counting)
+    builds = replica_builds
     m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
     dp = FastDataParallel(m, ["cpu"] * 2)
     x = torch.randn(6, 4)
