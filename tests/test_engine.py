@@ -173,6 +173,23 @@ class _SharedGrads(nn.Module):
         return self.lin(x) @ (self.a + self.b) + self.p.sum()
 
 
+def _two_steps_per_node(make, x: torch.Tensor, n: int, accumulate: bool) -> dict:
+    """The parameters' gradients after two steps on ``n`` CPU replicas (the second reuses the
+    nodes), keyed by ``native``: the C++ bucket node (True) or the Python one (False)."""
+    grads = {}
+    for native in (True, False):
+        torch.manual_seed(1)
+        m = make()
+        with _backend.use_extension(native):
+            fdp = FastDataParallel(m, ["cpu"] * n)
+            for _ in range(2):
+                if not accumulate:
+                    m.zero_grad(set_to_none=True)
+                fdp(x).square().sum().backward()
+        grads[native] = {k: v.grad.clone() for k, v in m.named_parameters()}
+    return grads
+
+
 @pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_native_node_sums_in_place_only_into_gradients_it_owns(n):
@@ -181,16 +198,7 @@ def test_the_native_node_sums_in_place_only_into_gradients_it_owns(n):
     node either way, and to the plain module on the same chunks."""
     torch.manual_seed(0)
     x = torch.randn(4 * n, 4)
-    grads = {}
-    for native in (True, False):
-        torch.manual_seed(1)
-        m = _SharedGrads()
-        with _backend.use_extension(native):
-            fdp = FastDataParallel(m, ["cpu"] * n)
-            for _ in range(2):  # the second step reuses the nodes
-                m.zero_grad(set_to_none=True)
-                fdp(x).square().sum().backward()
-        grads[native] = {k: v.grad.clone() for k, v in m.named_parameters()}
+    grads = _two_steps_per_node(_SharedGrads, x, n, accumulate=False)
     torch.manual_seed(1)
     ref = _SharedGrads()
     for c in x.chunk(n):
@@ -227,15 +235,7 @@ def test_the_native_nodes_cpu_sum_matches_the_python_node_for_every_dtype_and_la
     elsewhere) is bit-identical to the Python node's _foreach_add, over two steps."""
     x = torch.randn(3 * n, 5)
     x[:, 0] = torch.arange(3 * n).div(3, rounding_mode="floor").remainder(2) * 2 - 1
-    grads = {}
-    for native in (True, False):
-        torch.manual_seed(1)
-        m = _MixedGrads()
-        with _backend.use_extension(native):
-            fdp = FastDataParallel(m, ["cpu"] * n)
-            for _ in range(2):
-                fdp(x).square().sum().backward()
-        grads[native] = {k: v.grad.clone() for k, v in m.named_parameters()}
+    grads = _two_steps_per_node(_MixedGrads, x, n, accumulate=True)
     for k, g in grads[True].items():
         assert torch.equal(g, grads[False][k]), k
 
