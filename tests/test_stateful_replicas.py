@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from fastdp import FastDataParallel
-from fastdp.replica_set import ReplicaSet
+from fastdp.replica_set import Replicas, ReplicaSet
 
 # NOTE [ Tests under each launch strategy ]; each also with the extension allowed and forced off
 pytestmark = pytest.mark.usefixtures("launch", "backend")
@@ -272,8 +272,9 @@ Sabotaged.TestCase.settings = settings(
 def test_state_machine_catches_stale_replicas(monkeypatch, sabotage):
     monkeypatch.setattr(ReplicaSet, "alias_same_device", False)  # copies that must be refreshed
     if sabotage == "never_invalidate":
-        monkeypatch.setattr(ReplicaSet, "valid", lambda self: True)
+        monkeypatch.setattr(ReplicaSet, "valid", lambda self, verified=None: True)
     else:
-        monkeypatch.setattr(ReplicaSet, "refresh", lambda self: self.replicas)
+        monkeypatch.setattr(ReplicaSet, "refresh",
+                            lambda self, no_sync=False: Replicas(self.replicas, self))
     with pytest.raises(Exception):  # noqa: B017  (an assertion or an error from a stale replica)
         Sabotaged.TestCase().runTest()
