@@ -6,6 +6,7 @@
 
 #include "bucket_reduce.h"
 #include "build_info.h"
+#include "dict_snapshot.h"
 #include "gather.h"
 #include "scatter.h"
 #include "signature.h"
@@ -47,6 +48,15 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("build_info", &fastdp::build_info,
         "What the extension was built with: list of (key, value) string pairs.");
+
+  py::class_<fastdp::DictSnapshot>(
+      m, "DictSnapshot",
+      "The key and value objects of some dicts, held and compared by identity (see NOTE "
+      "[ Replica invalidation ] in fastdp/_snapshots.py).")
+      .def(py::init<const py::list&>(), py::arg("dicts"))
+      .def("changed", &fastdp::DictSnapshot::changed,
+           "Indices of the dicts whose keys or values are no longer the same objects, in order.")
+      .def("__len__", &fastdp::DictSnapshot::size);
 
   m.def(
       "tensor_signature",

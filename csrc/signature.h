@@ -1,6 +1,6 @@
 #pragma once
 // Cheap change detection for persistent replicas. See NOTE [ Replica invalidation ] in
-// fastdp/_watch.py.
+// fastdp/_snapshots.py.
 
 #include <ATen/ATen.h>
 

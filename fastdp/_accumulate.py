@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from fastdp import _watch
 from fastdp._compiled import mark_static
 from fastdp.reducer import reduce_add
 
@@ -78,12 +77,11 @@ class LeafAccumulation:
             self.marks = grad_marks(self.sources)
         if not self.leaf_mode:
             self._assign(self.leaves)
-        if _watch.has_dirty():
-            _watch.restore_dirty()
         self._copy_buffers()
         if first:  # later micro-steps: the originals did not change; pending graphs saved these
             with torch.no_grad():
                 self.copy_sources()
+        self.attrs.seal()
         return self.replicas
 
     def drop_pending(self) -> None:

@@ -16,8 +16,8 @@ import torch  # noqa: F401  (libtorch must be loaded before _C)
 
 # What the package calls on the extension: a build without one of them (a stale .so from an
 # older checkout) is treated as not loaded, so no call site needs to ask.
-REQUIRED = ("scatter_chunks", "gather_into", "tensor_signature", "grad_fn_use_count",
-            "bucket_reduce_link", "peer_access", "build_info")
+REQUIRED = ("scatter_chunks", "gather_into", "tensor_signature", "DictSnapshot",
+            "grad_fn_use_count", "bucket_reduce_link", "peer_access", "build_info")
 
 _ext: ModuleType | None = None
 _load_error: str | None = None

@@ -20,7 +20,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _torch_private, _tree, _watch, engine, strategies
+from fastdp import _torch_private, _tree, engine, strategies
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
 from fastdp._compiled import (
@@ -31,6 +31,7 @@ from fastdp._compiled import (
 )
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._planner import StepPlan, make_plan
+from fastdp._snapshots import module_dicts, snapshot
 from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
 from fastdp.criterion import Scattered
@@ -79,7 +80,7 @@ class FastDataParallel(DataParallel):
             for the CPU).
         dim: the dimension inputs are chunked along and outputs concatenated along.
         persistent: keyword-only; keep replicas across steps (see NOTE [ Persistent replicas ]);
-            off when FASTDP_WATCH_MODULES=0 (NOTE [ Opting out of the watch ] in _watch.py).
+            False replicates afresh every step, as DataParallel does.
         chunk_sizes: keyword-only; rows per device (summing to the batch; 0 skips a device).
         balance: keyword-only; relative shares per device, turned into chunk sizes for every
             batch by largest-remainder rounding (0 skips a device). Exclusive with chunk_sizes.
@@ -126,7 +127,7 @@ class FastDataParallel(DataParallel):
         _torch_private.log_api_usage_once("fastdp.FastDataParallel")
         self.module = module
         self.dim = dim
-        self.persistent = persistent and _watch.enabled()  # NOTE [ Opting out of the watch ]
+        self.persistent = persistent
         if not bucket_cap_mb > 0:
             raise ValueError(f"fastdp: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.bucket_cap_mb = bucket_cap_mb
@@ -138,7 +139,7 @@ class FastDataParallel(DataParallel):
         self._drop_warned = False
         self._comm = engine.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
-        self._checked: tuple[int, Any] | None = None  # NOTE [ One signature per step ]
+        self._checked: tuple | None = None  # NOTE [ One signature per step ]
         self.strategy = strategies.make(launch)  # NOTE [ Launch strategies ]
         self._last: dict[str, str | None] = {"launch": None}  # see last_launch
         self._step_lock = threading.Lock()
@@ -321,25 +322,24 @@ class FastDataParallel(DataParallel):
         """DataParallel's per-step device check, re-run only when the module changed.
 
         NOTE [ One signature per step ]
-        The module's tensors are signed once per step, here. When the signature matches
-        ``self._checked`` (same generation too) that record is returned and becomes the plan's
-        ``verified``; ``replicate`` with that plan skips the ReplicaSet's own signature when the
-        set was last validated under the same record (its tensors are the module's, unchanged).
+        The module's dicts and tensors are checked once per step, here (NOTE [ Replica
+        invalidation ]). When both match ``self._checked``, that record is returned and becomes
+        the plan's ``verified``; ``replicate`` with that plan skips the ReplicaSet's own checks
+        when the set was last validated under the same record (the module is unchanged since).
         A ``replicate`` without a plan validates fully.
         """
-        gen = _watch.generation()
-        if self._checked is not None and self._checked[0] == gen:
-            tensors = self._checked[2]
-            if tensors is not None and tensor_signature(tensors) == self._checked[1]:
+        if self._checked is not None:
+            dicts, signature, tensors = self._checked
+            if not dicts.changed() and tensor_signature(tensors) == signature:
                 return self._checked
         _check_device(self.module, self.src_device_obj)
         if not self.persistent:
             return None
-        _watch.watch(self.module.modules())
         tensors = list(chain(self.module.parameters(), self.module.buffers()))
         if any(isinstance(t, UninitializedParameter) for t in tensors):
             return None  # lazy modules: replicate raises DataParallel's error
-        self._checked = (_watch.generation(), tensor_signature(tensors), tensors)
+        self._checked = (snapshot(module_dicts(self.module.modules())), tensor_signature(tensors),
+                         tensors)
         return None
 
     def invalidate_replicas(self) -> None:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch.nn import Module
 
-from fastdp import _backend, _watch, engine
+from fastdp import _backend, engine
 from fastdp._accumulate import LeafAccumulation
 from fastdp._compiled import compile_root, is_compiled, mark_static
+from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
 from fastdp.replicate import check_replicatable, clone_tree, finish_tree
 
@@ -114,8 +115,7 @@ class ReplicaSet(LeafAccumulation):
         self.replicas = self._build()
         if self.linked and self.any_grad:
             self._link()
-        _watch.watch(self.modules)
-        self.generation = _watch.generation()  # after building: building bumps it
+        self.originals = snapshot(module_dicts(self.modules))  # after building (it writes)
         self.signature = tensor_signature(self.watched)
         self.verified: Any = None  # see valid()
 
@@ -188,13 +188,14 @@ class ReplicaSet(LeafAccumulation):
             mark_static(self.tensors)
             mark_static(self.buffer_copies)
         self.copies = copies
+        self.attrs: ReplicaAttrs | None = None
         self._assign()
         slot_keys: dict[int, set] = {i: set(_RNN_CACHE) for i in self.rnn_rows}
         for i, key, _ in self.slots:
             slot_keys.setdefault(i, set()).add(key)
-        for row in copies:
-            for i, r in enumerate(row):
-                _watch.track_replica(r, frozenset(slot_keys.get(i, ())))
+        self.attrs = ReplicaAttrs([r for row in copies for r in row],
+                                  [frozenset(slot_keys.get(i, ())) for row in copies
+                                   for i in range(len(row))])
         return roots
 
     def _runs_compiled_in_order(self) -> bool:
@@ -217,6 +218,8 @@ class ReplicaSet(LeafAccumulation):
         (no per-slot Python call), RNN weight lists rebuilt afterwards.
         """
         self.leaf_mode = tensors is not None and tensors is not self.tensors
+        if self.attrs is not None:
+            self.attrs.unseal()
         for j, row in enumerate(self.copies):
             row_tensors = (self.tensors if tensors is None else tensors)[j]
             for i, key, k in self.slots:
@@ -236,11 +239,9 @@ class ReplicaSet(LeafAccumulation):
         when the set was last validated under the same record, its own signature is skipped."""
         if (_backend.ext() is not None) != self.linked:
             return False  # the backend was switched: rebuild for the other path
-        if self.generation != _watch.generation():
-            return False
         if verified is not None and verified is self.verified:
             return True
-        if self.signature != tensor_signature(self.watched):
+        if self.originals.changed() or self.signature != tensor_signature(self.watched):
             return False
         self.verified = verified
         return True
@@ -292,6 +293,7 @@ class ReplicaSet(LeafAccumulation):
         leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
         self._count_buckets()
         self.group.reset()
+        self.attrs.undo_forward_writes()
         if no_sync and self.any_grad and torch.is_grad_enabled():
             return Replicas(self._refresh_no_sync(), self)
         if self.leaf_mode:
@@ -300,8 +302,6 @@ class ReplicaSet(LeafAccumulation):
             if not self.linked or self.copy_rows:
                 self._renew()
             self._renew_buffers()
-        if _watch.has_dirty():
-            _watch.restore_dirty()
         self._copy_buffers()
         self.copy_sources()
         if self.any_grad and torch.is_grad_enabled():
@@ -311,4 +311,5 @@ class ReplicaSet(LeafAccumulation):
                 self._link(Pending(True))
         else:
             self.pending.value = False
+        self.attrs.seal()
         return Replicas(self.replicas, self)

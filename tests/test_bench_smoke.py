@@ -50,15 +50,16 @@ def test_bench_records_cover_every_cpu_suite_and_mode(tiny_run):
                         ("cpu-replicas", "fastdp_noext"), ("cpu-replicas", "dp_algo"),
                         ("overhead", "model_chunks"), ("overhead", "fastdp"),
                         ("replicate", "fastdp"), ("replicate", "dp_algo"),
-                        ("module-build", "plain"), ("module-build", "watched")]:
+                        ("module-build", "without"), ("module-build", "with")]:
         assert (suite, mode) in seen, (suite, mode)
     timed = [r for r in recs if r.get("status") == "ok"]
     assert timed and all({"min_ms", "median_ms", "max_ms"} <= set(r["time_ms"]) for r in timed)
     checked = [r for r in recs if r["suite"] == "cpu-replicas" and r["mode"] not in (
         "bare", "floor") and r.get("status") != "unsupported"]
     assert checked and all("check" in r for r in checked)
-    watched = [r for r in recs if r["suite"] == "module-build" and r["mode"] == "watched"]
-    assert watched and all(r["ratios"]["vs_plain"] > 0 for r in watched)
+    built = [r for r in recs if r["suite"] == "module-build" and r["mode"] == "with"]
+    assert built and all(r["ratios"]["vs_without"] > 0 for r in built)
+    assert all(r["nn_module_untouched"] for r in recs if r["suite"] == "module-build")
     over = [r for r in recs if r["suite"] == "overhead" and r["mode"] == "fastdp"]
     assert over and all("wrapper_calls_per_step" in r and "overhead_ms" in r for r in over)
     assert all({"total", "model", "outside"} <= set(r["calls"]) for r in over)

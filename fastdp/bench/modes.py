@@ -37,47 +37,11 @@ LAUNCH_MODES = {"fastdp": "auto", "fastdp_threads": "threads", "fastdp_inline": 
                 "fastdp_noext": "auto", "dp_algo": "threads"}  # dp_algo: DataParallel's threads
 
 
-_MODULE_METHODS = ("__setattr__", "__delattr__", "__getattr__", "add_module", "register_module",
-                   "register_parameter", "register_buffer", "_apply")
-
-
-@contextlib.contextmanager
-def plain_module_methods() -> Iterator[None]:
-    """``nn.Module``'s own methods for the duration: undoes, temporarily, any process-wide wrapper
-    that fastdp installed on them (its mutation watcher), so that DataParallel's algorithm is
-    measured as it runs without fastdp in the process. A no-op when nothing is wrapped."""
-    saved = {}
-    for name in _MODULE_METHODS:
-        f = nn.Module.__dict__.get(name)
-        orig = getattr(f, "__wrapped__", None)
-        if orig is not None and getattr(f, "__module__", "").startswith("fastdp"):
-            saved[name] = f
-            setattr(nn.Module, name, orig)
-    try:
-        yield
-    finally:
-        for name, f in saved.items():
-            setattr(nn.Module, name, f)
-
-
 def fresh_replicate(module: nn.Module, devices: Sequence, detach: bool = False) -> list:
-    """DataParallel's algorithm: ``fastdp.replicate.replicate`` with plain ``nn.Module`` methods."""
+    """DataParallel's algorithm: ``fastdp.replicate.replicate``, fresh replicas every call."""
     from fastdp.replicate import replicate
 
-    with plain_module_methods():
-        return replicate(module, devices, detach)
-
-
-@functools.cache
-def torch_dp_class() -> type:
-    """``nn.DataParallel``, its ``replicate`` run with plain ``nn.Module`` methods."""
-
-    class TorchDataParallel(nn.DataParallel):
-        def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 (torch's seam)
-            with plain_module_methods():
-                return super().replicate(module, device_ids)
-
-    return TorchDataParallel
+    return replicate(module, devices, detach)
 
 
 @functools.cache
@@ -109,7 +73,7 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
         n = 1 if devices is None else len(devices)
         obj = functools.partial(chunked_call, model, n)
     elif mode == "torch_dp":
-        obj = torch_dp_class()(model, **kw)
+        obj = nn.DataParallel(model, **kw)
     elif mode in ("fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext"):
         import fastdp
 

@@ -1,4 +1,4 @@
-"""CPU suites: pass-through, CPU replicas, host overhead and calls per step, replicate(), the watch.
+"""CPU suites: pass-through, CPU replicas, host overhead and calls per step, replicate(), builds.
 
 ``passthrough``   ``FastDataParallel(m)`` without any GPU (``device_ids == []``: it just calls the
                   module) against the bare module and ``nn.DataParallel(m)`` (also a pass-through).
@@ -11,14 +11,14 @@
                   the model's own work (the bare module run on the same 4 chunks in turn).
 ``replicate``     steady-state ``replicate()`` of an n-layer ``nn.Sequential`` of ``Linear(32, 32)``
                   on 4 CPU replicas: ``FastDataParallel.replicate`` vs DataParallel's algorithm.
-``module-build``  building a 1000-layer model with the nn.Module watch installed vs without.
+``module-build``  building a 1000-layer model while a persistent wrapper is alive vs without one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+import statistics
 
 import torch
 from torch import nn
@@ -295,39 +295,47 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
 
 
 def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
-    """The process-wide cost of the nn.Module watch (NOTE [ Opting out of the watch ]): building
-    ``nn.Sequential(Linear(32, 32) x layers)`` (default init) while a persistent wrapper is alive,
-    with the wrapped methods ("watched") and with nn.Module's own ("plain", swapped back for the
-    call), timed interleaved."""
+    """What a live persistent wrapper costs the rest of the process (NOTE [ Replica invalidation
+    ]): building ``nn.Sequential(Linear(32, 32) x layers)`` (default init) with no wrapper
+    (``without``) and while a persistent wrapper that has run a step is alive (``with``),
+    alternated (the wrapper made and dropped outside the timed build), gc collected before each.
+    The record says whether ``nn.Module``'s attributes are torch's own in both states."""
+
+    def untouched() -> bool:
+        return all(getattr(f, "__module__", "torch").startswith("torch")
+                   and not hasattr(f, "__wrapped__") for f in vars(nn.Module).values()
+                   if callable(f))
 
     def run() -> list[dict]:
+        import gc
+        import time
+
         import fastdp
-        from fastdp import _watch
 
         base = {"suite": "module-build", "workload": f"mlp{layers}", "layers": layers}
-        recs = {m: {**base, "mode": m} for m in ("plain", "watched")}
-        alive = fastdp.FastDataParallel(wl.mlp(2), device_ids=["cpu"] * 2)
-        alive(torch.randn(4, 32))  # a persistent step installs the watch
-        if not _watch.installed():
-            for r in recs.values():
-                r.update(status="unsupported", error="FASTDP_WATCH_MODULES=0: no watch to time")
-            return list(recs.values())
-        wrapped = {n: getattr(nn.Module, n) for n in _watch._PATCHED}
-        plain = {n: f.__wrapped__ for n, f in wrapped.items()}
-
-        def build(table: dict) -> Callable[[], nn.Module]:
-            def fn() -> nn.Module:
-                for n, f in table.items():
-                    setattr(nn.Module, n, f)
-                try:
-                    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
-                finally:
-                    for n, f in wrapped.items():
-                        setattr(nn.Module, n, f)
-            return fn
-
-        time_into(s, {m: build(plain if m == "plain" else wrapped) for m in recs}, recs)
-        del alive
+        recs = {m: {**base, "mode": m} for m in ("without", "with")}
+        ms: dict[str, list[float]] = {m: [] for m in recs}
+        clean = untouched()
+        names = list(recs)
+        for r in range(s.warmup + s.repeats):
+            for mode in names[r % 2:] + names[:r % 2]:
+                alive = None
+                if mode == "with":
+                    alive = fastdp.FastDataParallel(wl.mlp(2), device_ids=["cpu"] * 2)
+                    alive(torch.randn(4, 32)).sum().backward()
+                    clean = clean and untouched()
+                gc.collect()
+                t0 = time.perf_counter()
+                model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+                dt = time.perf_counter() - t0
+                del model, alive
+                if r >= s.warmup:
+                    ms[mode].append(dt * 1e3)
+        for mode, r in recs.items():
+            st = timing.Stats(min_ms=min(ms[mode]), median_ms=statistics.median(ms[mode]),
+                              max_ms=max(ms[mode]), mean_ms=statistics.fmean(ms[mode]),
+                              repeats=s.repeats, inner=1, warmup=s.warmup)
+            r.update(status="ok", time_ms=st.as_dict(), nn_module_untouched=clean)
         return list(recs.values())
 
     return [Task("module-build", f"mlp{layers}", run)]

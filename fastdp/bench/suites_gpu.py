@@ -172,7 +172,7 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
         params = list(model.parameters())
         d = ids(devices)
         impls = {
-            "torch": lambda: _plain(torch.nn.parallel.replicate, model, d),
+            "torch": lambda: torch.nn.parallel.replicate(model, d),
             "dp_algo": lambda: fresh(model, d, False),
             "fastdp": lambda: fdp.replicate(fdp.module, fdp.device_ids),
             "torch_broadcast": lambda: tcomm.broadcast_coalesced(params, d),
@@ -197,11 +197,6 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
         return list(recs.values())
 
     return [Task(suite, name, lambda w=cat[name]: run(w)) for name in names]
-
-
-def _plain(fn, *args):  # noqa: ANN001, ANN002, ANN202
-    with modes.plain_module_methods():
-        return fn(*args)
 
 
 class _MoveThen(nn.Module):

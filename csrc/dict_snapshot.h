@@ -1,0 +1,39 @@
+#pragma once
+// The key and value objects of some dicts, compared by identity later: how persistent replicas
+// see that a module changed without wrapping nn.Module. See NOTE [ Replica invalidation ] in
+// fastdp/_snapshots.py.
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fastdp {
+
+// Hidden as pybind11's own types are: it holds py::object fields.
+#if defined(__GNUC__)
+#define FASTDP_PY_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define FASTDP_PY_HIDDEN
+#endif
+
+class FASTDP_PY_HIDDEN DictSnapshot {
+ public:
+  // Holds every dict, key and value (so no address is reused while the snapshot lives).
+  // Throws TypeError when an item is not a dict. Needs the GIL.
+  explicit DictSnapshot(const pybind11::list& dicts);
+
+  // Indices of the dicts that no longer hold the same key and value objects in the same order
+  // (a rebinding of the object already bound is no change). Needs the GIL.
+  std::vector<int64_t> changed();
+
+  size_t size() const { return dicts_.size(); }
+
+ private:
+  std::vector<pybind11::object> dicts_;
+  std::vector<uint64_t> versions_;  // NOTE [ Dict version fast path ] in dict_snapshot.cpp
+  std::vector<size_t> starts_;  // dict i's entries are [starts_[i], starts_[i + 1])
+  std::vector<pybind11::object> entries_;  // key, value, key, value, ...
+};
+
+}  // namespace fastdp

@@ -1,0 +1,110 @@
+"""How persistent replicas see that their module changed, without wrapping ``nn.Module``.
+
+NOTE [ Replica invalidation ]
+Persistent replicas are shallow copies whose tensors are refreshed every step. They are rebuilt
+when what they copied changed: each step compares, by identity, every key and value of the
+originals' ``__dict__``, ``_parameters``, ``_buffers`` and ``_modules`` with a snapshot
+(``DictSnapshot``: held references, so no address is reused; C++ when the extension is loaded),
+which sees plain attributes, ``training``, the tree and replaced tensors however they were
+written (``m.__dict__[k] = v`` too), and rebinding the object already bound (``model.train()``
+each step) as no change. Tensor identity, storage, shape, strides, dtype, device,
+``requires_grad``: ``tensor_signature``. Unseen: in-place changes inside a held object (a list
+appended to); call ``FastDataParallel.invalidate_replicas()``. In-place tensor updates need
+nothing (every step copies), nor hooks (the replicas share the hook dicts).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+from torch.nn import Module
+
+from fastdp import _backend
+
+
+class _PyDictSnapshot:
+    """``fastdp._C.DictSnapshot`` without the extension (same contract): one pass over all the
+    entries at C speed (``map``), per dict only when something changed."""
+
+    def __init__(self, dicts: list[dict]) -> None:
+        if not all(isinstance(d, dict) for d in dicts):
+            raise TypeError("DictSnapshot takes a list of dicts")
+        self.dicts = dicts
+        self.sizes = list(map(len, dicts))
+        self.keys = tuple(chain.from_iterable(dicts))
+        self.values = tuple(chain.from_iterable(map(dict.values, dicts)))
+
+    def changed(self) -> list[int]:
+        if (list(map(len, self.dicts)) == self.sizes
+                and all(map(operator.is_, chain.from_iterable(self.dicts), self.keys))
+                and all(map(operator.is_, chain.from_iterable(map(dict.values, self.dicts)),
+                            self.values))):
+            return []
+        out, start = [], 0
+        for i, (d, n) in enumerate(zip(self.dicts, self.sizes)):
+            keys, values = self.keys[start:start + n], self.values[start:start + n]
+            start += n
+            if (len(d) != n or not all(map(operator.is_, d, keys))
+                    or not all(map(operator.is_, d.values(), values))):
+                out.append(i)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.dicts)
+
+
+def snapshot(dicts: list[dict]) -> Any:
+    """A ``DictSnapshot`` of ``dicts``: ``changed()`` lists the indices that changed since."""
+    ext = _backend.ext()
+    return ext.DictSnapshot(dicts) if ext is not None else _PyDictSnapshot(dicts)
+
+
+def module_dicts(modules: Iterable[Module]) -> list[dict]:
+    """The dicts whose entries are a module's state: attributes, parameters, buffers, children."""
+    out = []
+    for m in modules:
+        d = m.__dict__
+        out.append(d)
+        out.extend(d[k] for k in ("_parameters", "_buffers", "_modules")
+                   if isinstance(d.get(k), dict))  # TorchScript modules hold wrappers
+    return out
+
+
+class ReplicaAttrs:
+    """DataParallel's replicas are fresh each step, so what a forward writes on one (``self.x =
+    ...``, ``del self.y``) is gone by the next. Persistent replicas get the same: their
+    ``__dict__`` is saved at build (without ``protected``, the slots the set points at its
+    tensors) and written back where a step changed it."""
+
+    def __init__(self, replicas: list[Module], protected: list[frozenset]) -> None:
+        self.replicas = replicas
+        self.protected = protected
+        self.saved = [{k: v for k, v in r.__dict__.items() if k not in p}
+                      for r, p in zip(replicas, protected)]
+        self.snap: Any = None  # taken by seal(): what the next step's forward starts from
+
+    def undo_forward_writes(self) -> None:
+        """Restore what a forward wrote since ``seal()``; call before writing to the replicas."""
+        if self.snap is None:
+            return
+        changed = self.snap.changed()
+        for i in changed:
+            d, saved, protected = self.replicas[i].__dict__, self.saved[i], self.protected[i]
+            for k in [k for k in d if k not in saved and k not in protected]:
+                del d[k]
+            d.update(saved)
+        if changed:
+            self.snap = None
+
+    def unseal(self) -> None:
+        """The set is about to write to the replicas: forward writes first, then a new seal."""
+        self.undo_forward_writes()
+        self.snap = None
+
+    def seal(self) -> None:
+        """The replicas are as the set wants them to start a step."""
+        if self.snap is None:
+            self.snap = snapshot([r.__dict__ for r in self.replicas])
