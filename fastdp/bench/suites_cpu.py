@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 
 import torch
 from torch import nn
@@ -332,9 +331,7 @@ def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
                 if r >= s.warmup:
                     ms[mode].append(dt * 1e3)
         for mode, r in recs.items():
-            st = timing.Stats(min_ms=min(ms[mode]), median_ms=statistics.median(ms[mode]),
-                              max_ms=max(ms[mode]), mean_ms=statistics.fmean(ms[mode]),
-                              repeats=s.repeats, inner=1, warmup=s.warmup)
+            st = timing.Stats.of(ms[mode], repeats=s.repeats, inner=1, warmup=s.warmup)
             r.update(status="ok", time_ms=st.as_dict(), nn_module_untouched=clean)
         return list(recs.values())
 

@@ -32,6 +32,12 @@ class Stats:
     inner: int
     warmup: int
 
+    @classmethod
+    def of(cls, ms: list[float], *, repeats: int, inner: int, warmup: int) -> Stats:
+        """The statistics of ``ms``, one time per repeat in milliseconds."""
+        return cls(min_ms=min(ms), median_ms=statistics.median(ms), max_ms=max(ms),
+                   mean_ms=statistics.fmean(ms), repeats=repeats, inner=inner, warmup=warmup)
+
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
 
@@ -121,9 +127,7 @@ def measure_many(
             sync()
             times[name].append((time.perf_counter() - t0) / k * 1e3)
     return {
-        name: Stats(min_ms=min(ms), median_ms=statistics.median(ms), max_ms=max(ms),
-                    mean_ms=statistics.fmean(ms), repeats=repeats, inner=inner[name],
-                    warmup=warmup)
+        name: Stats.of(ms, repeats=repeats, inner=inner[name], warmup=warmup)
         for name, ms in times.items()
     }
 
