@@ -23,6 +23,14 @@ def launch(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["alias", "distinct"])
+def storage(request, monkeypatch):
+    """CPU replicas on the originals' storage (the default), then with storage of their own
+    (``FASTDP_CPU_DISTINCT=1``: distinct GPUs' semantics); read when a replica set is built."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if request.param == "distinct" else "0")
+    return request.param
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Run the test once with the C++ extension allowed and once on the pure-torch path."""
