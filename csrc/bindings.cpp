@@ -8,6 +8,7 @@
 #include "build_info.h"
 #include "dict_snapshot.h"
 #include "gather.h"
+#include "graph_task.h"
 #include "scatter.h"
 #include "signature.h"
 #include "transfer.h"
@@ -91,6 +92,19 @@ PYBIND11_MODULE(_C, m) {
       "tensors (row-major) become its outputs; backward calls on_backward(local) once, sums "
       "same-device rows itself (one multi-tensor add per replica) or calls reduce_rows(rows), "
       "and hands the sums to the sources' gradient edges. Returns the replica tensors.");
+
+  m.def("graph_task_mode", &fastdp::graph_task_mode,
+        "0: no backward runs on this thread; 1: a backward without inputs= (every leaf "
+        "accumulates); 2: autograd.grad or backward(inputs=...) (see graph_task_accumulates).");
+  m.def(
+      "graph_task_accumulates",
+      [](const std::vector<at::Tensor>& tensors) {
+        py::gil_scoped_release no_gil;
+        return fastdp::graph_task_accumulates(tensors);
+      },
+      py::arg("tensors"),
+      "Per tensor, whether the running backward accumulates into its .grad (the engine's "
+      "exec_info: backward(inputs=) names it, reached or not; autograd.grad never).");
 
   m.def("grad_fn_use_count", &fastdp::grad_fn_use_count, py::arg("tensor"),
         "Number of owners of tensor.grad_fn's node (0 without one); see NOTE [ Persistent "

@@ -6,18 +6,31 @@ Under ``FastDataParallel.no_sync()`` (DDP's API, decided at forward time) replic
 ``.grad`` accumulate on each replica's device; nothing is reduced and the originals' ``.grad``
 are untouched, so ``M`` micro-steps cost two reductions (a fold and the last step's), not ``M``.
 The next grad-enabled forward outside ``no_sync()`` folds them into the originals' ``.grad``
-(``fold``), which then equal plain accumulation. Pending gradients are never overwritten: replica
-tensors are copied only on a cycle's first micro-step and never renewed while leaves are in use,
-and a set rebuilt mid-cycle stays registered until the fold. A ``zero_grad()`` that changes the
-originals' ``.grad`` drops them; without persistent replicas, gradients go to the originals.
+(``fold``), which then equal plain accumulation. Pending gradients are never overwritten: copy
+rows are copied on a cycle's first micro-step and again only when the originals changed in place
+since (version counters), onto fresh tensors whose leaves take over the pending gradients; a set
+rebuilt mid-cycle stays registered until the fold. A ``zero_grad()`` that changes the originals'
+``.grad`` drops them. Parameters with hooks (``register_hook``, post-accumulate hooks) must see
+every micro-step's gradient, so such a set reduces each micro-step as outside ``no_sync()``.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from fastdp._compiled import mark_static
 from fastdp.reducer import reduce_add
+
+_VERSION = operator.attrgetter("_version")
+_HOOKS = operator.attrgetter("_backward_hooks")
+_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def has_grad_hooks(sources: list[torch.Tensor]) -> bool:
+    """Whether a source's gradient goes through a hook (tensor or post-accumulate)."""
+    return any(map(_HOOKS, sources)) or any(map(_POST_HOOKS, sources))
 
 
 def grad_marks(sources: list[torch.Tensor]) -> tuple:
@@ -64,6 +77,7 @@ class LeafAccumulation:
     def _refresh_no_sync(self) -> list:
         """A micro-step under ``no_sync``: replicas on leaves, nothing linked or reduced."""
         first = self.leaves is None
+        versions = list(map(_VERSION, self.sources)) if self.copy_rows else None
         if first:
             if self._graph_alive() and (self.copy_rows or not self.linked):
                 self._renew()
@@ -72,16 +86,20 @@ class LeafAccumulation:
             if self.in_order:
                 mark_static(self.leaves)
             self.marks = grad_marks(self.sources)
-        elif grad_marks(self.sources) != self.marks:  # zero_grad() since: drop what was pending
-            self.drop_pending()
-            self.marks = grad_marks(self.sources)
+        else:
+            if grad_marks(self.sources) != self.marks:  # zero_grad() since: drop the pending
+                self.drop_pending()
+                self.marks = grad_marks(self.sources)
+            if versions != self.copied:  # pending graphs may still need the old copies
+                self._renew_all()
         if not self.leaf_mode:
             self._assign(self.leaves)
         self._copy_buffers()
-        if first:  # later micro-steps: the originals did not change; pending graphs saved these
+        if first or versions != self.copied:
             with torch.no_grad():
                 self.copy_sources()
-        self.attrs.seal()
+            self.copied = versions
+        self.seal()
         return self.replicas
 
     def drop_pending(self) -> None:

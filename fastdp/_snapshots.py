@@ -75,36 +75,31 @@ def module_dicts(modules: Iterable[Module]) -> list[dict]:
 
 class ReplicaAttrs:
     """DataParallel's replicas are fresh each step, so what a forward writes on one (``self.x =
-    ...``, ``del self.y``) is gone by the next. Persistent replicas get the same: their
-    ``__dict__`` is saved at build (without ``protected``, the slots the set points at its
-    tensors) and written back where a step changed it."""
+    ...``, ``del self.y``, a buffer, parameter or submodule reassigned) is gone by the next.
+    Persistent replicas get the same: every dict of ``module_dicts`` is saved at build and
+    written back where a step changed it; the set then points its slots at its tensors again
+    (the saved values of those slots may be older than the set's tensors)."""
 
-    def __init__(self, replicas: list[Module], protected: list[frozenset]) -> None:
-        self.replicas = replicas
-        self.protected = protected
-        self.saved = [{k: v for k, v in r.__dict__.items() if k not in p}
-                      for r, p in zip(replicas, protected)]
+    def __init__(self, replicas: list[Module]) -> None:
+        self.dicts = module_dicts(replicas)
+        self.saved = [dict(d) for d in self.dicts]
         self.snap: Any = None  # taken by seal(): what the next step's forward starts from
 
-    def undo_forward_writes(self) -> None:
-        """Restore what a forward wrote since ``seal()``; call before writing to the replicas."""
+    def undo_forward_writes(self) -> bool:
+        """Restore what a forward wrote since ``seal()``; True if anything was restored (the
+        caller re-points its slots). Call before writing to the replicas."""
         if self.snap is None:
-            return
+            return False
         changed = self.snap.changed()
         for i in changed:
-            d, saved, protected = self.replicas[i].__dict__, self.saved[i], self.protected[i]
-            for k in [k for k in d if k not in saved and k not in protected]:
-                del d[k]
-            d.update(saved)
+            d = self.dicts[i]
+            d.clear()
+            d.update(self.saved[i])
         if changed:
             self.snap = None
-
-    def unseal(self) -> None:
-        """The set is about to write to the replicas: forward writes first, then a new seal."""
-        self.undo_forward_writes()
-        self.snap = None
+        return bool(changed)
 
     def seal(self) -> None:
         """The replicas are as the set wants them to start a step."""
         if self.snap is None:
-            self.snap = snapshot([r.__dict__ for r in self.replicas])
+            self.snap = snapshot(self.dicts)

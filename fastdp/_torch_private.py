@@ -16,8 +16,8 @@ import torch
 from torch._utils import ExceptionWrapper  # torch.nn.parallel's own replica error wrapper
 
 __all__ = ["ExceptionWrapper", "record_function", "log_api_usage_once", "set_sequence_nr",
-           "will_engine_execute_node", "queue_engine_callback", "dynamo_module",
-           "functorch_config", "dynamo_context_of", "enclosing_dynamo_context", "disable_dynamo"]
+           "current_graph_task_id", "queue_engine_callback", "dynamo_module", "functorch_config",
+           "dynamo_context_of", "enclosing_dynamo_context", "disable_dynamo"]
 
 MAX_SEQUENCE_NR = 2**64 - 1
 
@@ -44,10 +44,11 @@ def set_sequence_nr(node: Any, nr: int = MAX_SEQUENCE_NR) -> bool:
     return True
 
 
-def will_engine_execute_node(node: Any) -> bool | None:
-    """Whether the running backward will execute ``node`` (None: this torch cannot say)."""
-    fn = getattr(torch._C, "_will_engine_execute_node", None)
-    return None if fn is None else bool(fn(node))
+def current_graph_task_id() -> int:
+    """The running backward's id (-1 outside one; None where this torch cannot say: then every
+    bucket node of a set is taken for one backward until the next refresh)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return None if fn is None else fn()
 
 
 def queue_engine_callback(fn: Any) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _torch_private, _tree, engine, strategies
+from fastdp import _backend, _torch_private, _tree, engine, strategies
 from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
 from fastdp._accumulate import fold
 from fastdp._compiled import (
@@ -48,6 +48,7 @@ from fastdp.sync_batchnorm import prepare_replicas
 __all__ = ["FastDataParallel", "data_parallel"]
 
 _ZERO_STATS = engine.new_stats()
+_MAX_SETS = 2  # replica sets kept: the most recent device tuples (a partial last batch's spare)
 
 _record_function = _torch_private.record_function  # the step's profiler label
 
@@ -210,9 +211,29 @@ class FastDataParallel(DataParallel):
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
                 return self._direct(self._module_for(ctx)(*inputs[0], **module_kwargs[0]), plan)
-            replicas = self._replicate_step(plan, len(inputs))
-            outputs = self._launch_step(plan, replicas, inputs, module_kwargs)
+            if not self._step_lock.acquire(blocking=False):  # NOTE [ Concurrent calls ]
+                return self._fresh_step(plan, inputs, module_kwargs)
+            try:
+                replicas = self._replicate_step(plan, len(inputs))
+                outputs = self._launch_step(plan, replicas, inputs, module_kwargs)
+                rs = getattr(replicas, "replica_set", None)
+                if rs is not None:
+                    rs.after_launch()
+            finally:
+                self._step_lock.release()
             return self._gather_step(plan, outputs, inputs, module_kwargs)
+
+    def _fresh_step(self, plan: StepPlan, inputs: Sequence[Any], kwargs: Sequence[Any]) -> Any:
+        """NOTE [ Concurrent calls ]
+        DataParallel builds replicas per call, so two threads may call one wrapper (inference
+        servers do). The persistent replicas serve one call at a time, from its replicate to
+        the end of its launch; a call made meanwhile (another thread's, or a replica's forward
+        calling the wrapper again) replicates afresh, DataParallel's algorithm, for itself."""
+        devs = plan.devices[: len(inputs)]
+        replicas = replicate(self.module, devs, not torch.is_grad_enabled())
+        with prepare_replicas(replicas):
+            outputs = parallel_apply(replicas, inputs, kwargs, devs, launch="threads")
+        return self._gather_step(plan, outputs, inputs, kwargs)
 
     def _start_step(self) -> None:
         self._comm.update(_ZERO_STATS)
@@ -288,10 +309,26 @@ class FastDataParallel(DataParallel):
     def comm_stats(self) -> dict[str, int]:
         """This step's replication traffic: ``buckets`` (the replica set's buckets, parameters
         and buffers), ``broadcasts`` and ``reduces`` (one per bucket, whatever the number of
-        devices), ``bytes_broadcast``, ``bytes_reduced``. Zeroed when a forward starts, updated
+        devices; without the extension one reduce node serves all buckets), ``bytes_broadcast``, ``bytes_reduced``. Zeroed when a forward starts, updated
         as each call is issued (a backward hook sees the reduces so far). Persistent replicas
         only (``persistent=False`` replicates with ``fastdp.comm`` and counts nothing)."""
         return dict(self._comm)
+
+    def memory_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes the wrapper holds, per device (``str(device)``): ``replicas`` (the persistent
+        replicas' own copies of parameters and buffers; replicas on the originals' storage
+        hold none) and ``staging`` (the source device's packing flats), over the replica sets
+        kept (at most two device tuples: the last step's and one more, least recently used
+        dropped). ``"pinned"``: the extension's pinned host staging pool (``reserved`` bytes,
+        shared by the process)."""
+        out: dict[str, dict[str, int]] = {}
+        for rs in self._replica_sets.values():
+            rs.add_memory(out)
+        ext = _backend.ext()
+        pool = getattr(ext, "pinned_pool_stats", None)
+        if pool is not None:
+            out["pinned"] = {"reserved": dict(pool()).get("reserved", 0)}
+        return out
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile the module inside every replica with ``torch.compile``'s keyword options
@@ -357,13 +394,16 @@ class FastDataParallel(DataParallel):
             return replicate(module, devs, not torch.is_grad_enabled())
         ctx, verified = (self._compile_ctx, None) if plan is None else (plan.ctx, plan.verified)
         key = tuple(devs) if ctx is None else (*devs, ctx)  # NOTE [ Compiling the wrapper ]
-        rs = self._replica_sets.get(key)
+        sets = self._replica_sets
+        rs = sets.pop(key, None)  # back in last: the sets are kept least recently used first
         if rs is None or not rs.valid(verified):  # NOTE [ One signature per step ]
             try:
-                rs = self._replica_sets[key] = ReplicaSet(
-                    module, devs, ctx, self.bucket_cap_mb * 2**20, self._comm)
+                rs = ReplicaSet(module, devs, ctx, self.bucket_cap_mb * 2**20, self._comm)
             except NotCacheable:
                 return replicate(module, devs, not torch.is_grad_enabled())
+        sets[key] = rs
+        if len(sets) > _MAX_SETS:
+            del sets[next(iter(sets))]
         replicas = rs.refresh(self._no_sync)
         if rs.leaf_mode:
             self.no_sync_stats["micro_steps"] += 1

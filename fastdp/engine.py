@@ -6,10 +6,12 @@ registration order (the last layers, whose gradients are ready first, fill the f
 the first bucket of each dtype capped at ``min(1 MiB, cap)``, the others at ``cap`` (25 MiB by
 default, ``bucket_cap_mb=``). A replica that does not alias the originals (another device, or
 any CPU replica under ``FASTDP_CPU_DISTINCT=1``) holds each bucket as one flat tensor; its
-parameters and buffers are tensors on that flat's storage with version counters of their own.
-A refresh packs a bucket's originals into a staging flat on the source device (one multi-tensor
-copy) and broadcasts it into every such replica's flat (one transport call per bucket, whatever
-the number of devices). Tensors that cannot be flattened (sparse, quantized) form buckets of one.
+parameters and buffers are tensors on that flat's storage with version counters of their own,
+and the originals' strides where those are dense (channels_last stays channels_last). A refresh
+packs a bucket's originals into a staging flat on the source device (one multi-tensor copy) and
+broadcasts it into every such replica's flat (one transport call per bucket, whatever the number
+of devices); when every copy row is on the source device there is no staging: one multi-tensor
+copy per row. Tensors that cannot be flattened (sparse, quantized) form buckets of one.
 
 NOTE [ Transports ]
 Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
@@ -88,12 +90,31 @@ def assign_buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[li
     return done
 
 
-def _on_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
-    """A contiguous tensor on ``flat``'s storage at ``offset`` elements, with a version counter
-    of its own (not an autograd view: replicas' tensors are independent, as DataParallel's)."""
+def _on_storage(flat: torch.Tensor, offset: int, shape: torch.Size,
+                stride: tuple[int, ...]) -> torch.Tensor:
+    """A tensor on ``flat``'s storage at ``offset`` elements, with a version counter of its own
+    (not an autograd view: replicas' tensors are independent, as DataParallel's)."""
     with torch.no_grad():
         t = torch.empty(0, dtype=flat.dtype, device=flat.device)
-        return t.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape)
+        return t.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
+
+
+def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides where they cover its elements exactly once (any dense layout, as
+    channels_last), else the contiguous ones: how a copy of ``t`` sits in a flat."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
+    step = 1
+    for st, n in dims:  # dense: each dimension steps over exactly the ones inside it
+        if st != step:
+            break
+        step *= n
+    else:
+        return t.stride()
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 class _CpuTransport:
@@ -158,12 +179,16 @@ class Layout:
         self.buckets = assign_buckets(tensors, cap_bytes) if buckets is None else buckets
         self.transport = transport_for(self.devices)
         self.shapes = [t.shape for t in tensors]
+        self.strides = [dense_strides(t) if flattenable(t) else None for t in tensors]
         self.flat = [b_is_flat(tensors, b) for b in self.buckets]
         self.numels = [[tensors[i].numel() for i in b] for b in self.buckets]
         self.bytes = [sum(nbytes(tensors[i]) for i in b) for b in self.buckets]
+        src = self.devices[0]
+        # NOTE [ Buckets ]: staging only where a copy leaves the source device
+        self.direct = all(self.devices[j] == src for j in self.copy_rows)
         with torch.inference_mode(False), torch.no_grad():
-            src = self.devices[0]
-            self.staging = [self._storage(tensors, b, k, src) for k, b in enumerate(self.buckets)]
+            self.staging = [] if self.direct else [
+                self._storage(tensors, b, k, src) for k, b in enumerate(self.buckets)]
             self.staging_views = [self._views(s, tensors, b, k, alias=False)
                                   for k, (s, b) in enumerate(zip(self.staging, self.buckets))]
             self.flats: dict[int, list[torch.Tensor]] = {}
@@ -176,6 +201,17 @@ class Layout:
                     for i, t in zip(b, self._views(f, tensors, b, k, alias=True)):
                         row[i] = t
                 self.flats[j], self.rows[j] = flats, row
+            self.row_views = {j: [[self.rows[j][i] for i in b] for b in self.buckets]
+                              for j in self.copy_rows} if self.direct else {}
+
+    def add_memory(self, out: dict[str, dict[str, int]]) -> None:
+        """Add the bytes this layout holds to ``out[device]["replicas"]`` (the copy rows' flats)
+        and ``out[device]["staging"]``."""
+        for kind, flats in [("staging", self.staging), *(("replicas", f)
+                                                       for f in self.flats.values())]:
+            for f in flats:
+                per = out.setdefault(str(f.device), {"replicas": 0, "staging": 0})
+                per[kind] += nbytes(f)
 
     def _storage(self, tensors: Sequence[torch.Tensor], b: list[int], k: int,
                  device: torch.device) -> torch.Tensor:
@@ -189,9 +225,9 @@ class Layout:
             return [flat]
         out, offset = [], 0
         for i, n in zip(b, self.numels[k]):
-            shape = self.shapes[i]
-            out.append(_on_storage(flat, offset, shape) if alias
-                       else flat[offset:offset + n].view(shape))
+            shape, stride = self.shapes[i], self.strides[i]
+            out.append(_on_storage(flat, offset, shape, stride) if alias
+                       else flat.as_strided(shape, stride, flat.storage_offset() + offset))
             offset += n
         return out
 
@@ -201,6 +237,16 @@ class Layout:
         if not self.copy_rows:
             return
         with torch.no_grad():
+            if self.direct:
+                for k, b in enumerate(self.buckets):
+                    srcs = [tensors[i] for i in b]
+                    for j in self.copy_rows:
+                        if self.flat[k]:
+                            torch._foreach_copy_(self.row_views[j][k], srcs)
+                        else:
+                            self.flats[j][k].copy_(srcs[0])
+                    count(stats, "broadcast", self.bytes[k])
+                return
             for k, b in enumerate(self.buckets):
                 if self.flat[k]:
                     torch._foreach_copy_(self.staging_views[k], [tensors[i] for i in b])

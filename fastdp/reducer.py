@@ -116,56 +116,68 @@ class BucketGroup:
     NOTE [ Unreached buckets ]
     A bucket none of whose tensors took part in the forward is not reached by autograd, where
     DataParallel's single Broadcast node gives every parameter a gradient (zeros for unused
-    ones). So the first bucket node that runs in a backward that accumulates into ``.grad``
-    queues an engine callback: when the backward ends, sources of the buckets that did not run
-    get zeros where their ``.grad`` is None. ``autograd.grad`` passes accumulate nothing.
+    ones). So the first bucket node that runs in a backward (a graph task) asks the engine which
+    sources that backward accumulates into (every leaf for ``.backward()``, the named ones for
+    ``inputs=``, none for ``autograd.grad``) and queues an engine callback: when the backward
+    ends, those of the buckets that did not run get zeros where ``.grad`` is None and they
+    require grad. Without the extension the set links one node for all its sources, so no
+    bucket goes unreached.
     """
 
-    __slots__ = ("sources", "ran", "queued")
+    __slots__ = ("sources", "flat", "ran", "queued", "task")
 
     def __init__(self, sources: list[list[torch.Tensor]]) -> None:
-        self.sources, self.ran, self.queued = sources, set(), False
+        self.sources = sources
+        self.flat = [s for b in sources for s in b]
+        self.ran: set[int] = set()
+        self.queued, self.task = False, None
 
     def reset(self) -> None:
-        if self.queued:
-            self.ran, self.queued = set(), False
+        self.ran, self.queued, self.task = set(), False, None
 
-    def bucket_ran(self, b: int, edge: Any = None, node: Any = None) -> None:
-        """Bucket ``b``'s node runs; ``edge``: the node its first source's gradient goes to,
-        else found from the bucket's ``node`` (only when needed: once per backward)."""
+    def bucket_ran(self, b: int) -> None:
+        """Bucket ``b``'s node runs in the current backward."""
+        task = _torch_private.current_graph_task_id()
+        if task != self.task:
+            self.task, self.ran, self.queued = task, set(), False
         self.ran.add(b)
         if self.queued or len(self.sources) < 2:
             return
         self.queued = True
-        if edge is None and node is not None:
-            edge = first_edge(node)
-        if edge is not None and _torch_private.will_engine_execute_node(edge):
-            _torch_private.queue_engine_callback(self._zero_unreached)
+        ext = _backend.ext()
+        mode = 1 if ext is None else ext.graph_task_mode()
+        if mode == 1:
+            targets = [True] * len(self.flat)
+        else:
+            targets = ext.graph_task_accumulates(self.flat)
+            if not any(targets):
+                return
+        ran = self.ran
+        _torch_private.queue_engine_callback(lambda: self._zero_unreached(ran, targets))
 
-    def _zero_unreached(self) -> None:
-        ran, self.ran, self.queued = self.ran, set(), False
+    def _zero_unreached(self, ran: set[int], targets: list[bool]) -> None:
+        k = 0
         for b, sources in enumerate(self.sources):
-            if b not in ran:
-                for s in sources:
-                    if s.requires_grad and s.grad is None:
-                        s.grad = torch.zeros_like(s)
+            for s in sources:
+                if b not in ran and targets[k] and s.requires_grad and s.grad is None:
+                    s.grad = torch.zeros_like(s)
+                k += 1
 
 
 class BucketLink:
     """What a bucket's node needs in backward; holds no replica tensor (no cycles)."""
 
-    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group", "edge")
+    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group")
 
     def __init__(self, index: int, sources: Sequence[torch.Tensor], dest: torch.device,
                  stats: dict[str, int] | None, pending: Pending, group: BucketGroup) -> None:
         self.index, self.n, self.nbytes = index, len(sources), _bytes(sources)
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
-        self.edge: Any = None  # the first source's gradient node (its AccumulateGrad)
 
     def ran(self, local: bool) -> None:
         """The node's backward starts (the C++ node sums ``local`` rows itself)."""
         self.pending.value = False
-        self.group.bucket_ran(self.index, self.edge)
+        self.group.bucket_ran(self.index)
         if local:
             count(self.stats, "reduce", self.nbytes)
 
@@ -192,7 +204,7 @@ class BucketReduce(Function):
     def backward(ctx, *grads):
         link = ctx.link
         link.pending.value = False
-        link.group.bucket_ran(link.index, node=ctx)
+        link.group.bucket_ran(link.index)
         n = link.n
         return (None, None, *link.reduce_rows([grads[j:j + n] for j in range(0, len(grads), n)]))
 
@@ -213,10 +225,4 @@ def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
     node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
     if node is not None:
         _torch_private.set_sequence_nr(node)
-        if ext is not None:  # made once: find the edge now, not in every backward
-            link.edge = first_edge(node)
     return node
-
-
-def first_edge(node: Any) -> Any:
-    return next((f for f, _ in node.next_functions if f is not None), None)

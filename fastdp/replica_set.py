@@ -13,6 +13,8 @@ Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled repli
 
 from __future__ import annotations
 
+import operator
+import warnings
 import weakref
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from torch.nn import Module
 
 from fastdp import _backend, engine
-from fastdp._accumulate import LeafAccumulation
+from fastdp._accumulate import LeafAccumulation, has_grad_hooks, make_leaves
 from fastdp._compiled import compile_root, is_compiled, mark_static
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
@@ -31,8 +33,15 @@ from fastdp.replicate import check_replicatable, clone_tree, finish_tree
 # attribute, forward rebuilds both (a Python __setattr__ each, which dirties the replica) and
 # calls flatten_parameters(), which on cuDNN moves the tensors onto a new buffer (``set_``) so
 # they stop seeing the refreshes. A slot assignment points both at the replica's tensors, so
-# forward never rebuilds them, and the snapshot restore leaves them alone (protected keys).
+# forward never rebuilds them; after a restore of the replicas' dicts they are pointed again.
 _RNN_CACHE = ("_flat_weights", "_flat_weight_refs")
+_HOOKS = operator.attrgetter("_backward_hooks")
+_VERSION = operator.attrgetter("_version")
+_SHARED_WRITE = (
+    "fastdp: a forward wrote in place to a frozen parameter that replicas on the same device share "
+    "with the original (CPU replicas, repeated GPU ids): the write landed once per replica, where "
+    "replicas on distinct GPUs each write a copy of their own. FASTDP_CPU_DISTINCT=1 gives CPU "
+    "replicas storage of their own; or keep such statistics in a buffer.")
 
 
 def _point_rnn_cache(r: Module) -> None:
@@ -61,6 +70,9 @@ class Replicas(list):
     def __init__(self, roots: list[Module], replica_set: ReplicaSet) -> None:
         super().__init__(roots)
         self.replica_set = replica_set
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return list, (list(self),)  # saved as the plain list DataParallel's replicate returns
 
 
 class NotCacheable(Exception):
@@ -108,10 +120,16 @@ class ReplicaSet(LeafAccumulation):
         self.in_order = False  # NOTE [ Compiled replicas run in order ]
         self.leaf_mode = False
         self.marks: tuple = ()
+        self.held: list[torch.Tensor] | None = None  # see seal()
+        self.held_ptrs: list[int] = []
+        self.shared_frozen: list[torch.Tensor] = []  # see _warn_shared_writes()
+        self.shared_versions: list[int] = []
+        self.warned_shared = False
+        self.copied: list[int] | None = None  # the sources' versions at the last no_sync copy
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self.tensors = self._new_tensors()
             self._new_buffer_copies()
-        self.group = BucketGroup([[self.sources[i] for i in b] for b in self.layout.buckets])
+        self.group = BucketGroup([[self.sources[i] for i in b] for b in self._node_buckets()])
         self.replicas = self._build()
         if self.linked and self.any_grad:
             self._link()
@@ -136,6 +154,13 @@ class ReplicaSet(LeafAccumulation):
                                            range(1, len(self.devices)), self.cap_bytes)
         self.buffer_copies = [self.buffer_layout.rows[j] for j in range(1, len(self.devices))]
 
+    def _node_buckets(self) -> list[list[int]]:
+        """The sources of each reduce node: one per bucket with the extension, else one for all
+        (NOTE [ Unreached buckets ] in fastdp/reducer.py)."""
+        if self.linked:
+            return self.layout.buckets
+        return [list(range(len(self.sources)))] if self.sources else []
+
     def _link(self, pending: Pending | None = None) -> None:
         """One ``BucketReduce`` node per bucket (grad mode on), outputs the persistent tensors."""
         self.pending = Pending(False) if pending is None else pending
@@ -143,7 +168,7 @@ class ReplicaSet(LeafAccumulation):
         if self._bucket_rows[0] is not self.tensors:  # per tensor set, not per step
             self._bucket_rows = (self.tensors, [
                 ([[row[i] for i in b] for row in self.tensors], [self.sources[i] for i in b])
-                for b in self.layout.buckets])
+                for b in self._node_buckets()])
         with torch.enable_grad(), torch.inference_mode(False):
             for b, (rows, sources) in enumerate(self._bucket_rows[1]):
                 link_bucket(BucketLink(b, sources, self.src_device, self.stats, self.pending,
@@ -190,12 +215,7 @@ class ReplicaSet(LeafAccumulation):
         self.copies = copies
         self.attrs: ReplicaAttrs | None = None
         self._assign()
-        slot_keys: dict[int, set] = {i: set(_RNN_CACHE) for i in self.rnn_rows}
-        for i, key, _ in self.slots:
-            slot_keys.setdefault(i, set()).add(key)
-        self.attrs = ReplicaAttrs([r for row in copies for r in row],
-                                  [frozenset(slot_keys.get(i, ())) for row in copies
-                                   for i in range(len(row))])
+        self.attrs = ReplicaAttrs([r for row in copies for r in row])
         return roots
 
     def _runs_compiled_in_order(self) -> bool:
@@ -219,9 +239,15 @@ class ReplicaSet(LeafAccumulation):
         """
         self.leaf_mode = tensors is not None and tensors is not self.tensors
         if self.attrs is not None:
-            self.attrs.unseal()
+            self.attrs.undo_forward_writes()
+            self.attrs.snap = None
+        self._point_slots()
+
+    def _point_slots(self) -> None:
+        """Every replica's slots at the tensors of this mode (leaves or linked tensors)."""
+        rows = self.leaves if self.leaf_mode else self.tensors
         for j, row in enumerate(self.copies):
-            row_tensors = (self.tensors if tensors is None else tensors)[j]
+            row_tensors = rows[j]
             for i, key, k in self.slots:
                 r, t = row[i], row_tensors[k]
                 if key in r._buffers:
@@ -232,6 +258,9 @@ class ReplicaSet(LeafAccumulation):
                 r._former_parameters[key] = t
             for i in self.rnn_rows:
                 _point_rnn_cache(row[i])
+        for j, i, key, k in self.buffer_slots:
+            self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
+        self.held = None  # what the replicas hold changed: sealed again at the end of a refresh
 
     def valid(self, verified: Any = None) -> bool:
         """Whether the replicas still match the module. ``verified``: the wrapper's record of a
@@ -278,10 +307,17 @@ class ReplicaSet(LeafAccumulation):
             mark_static(self.buffer_copies)
         for j, i, key, k in self.buffer_slots:
             self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
+        self.held = None
 
     def _copy_buffers(self) -> None:
         if len(self.devices) > 1 and self.buffers:
             self.buffer_layout.refresh(self.buffers, self.stats)
+
+    def add_memory(self, out: dict[str, dict[str, int]]) -> None:
+        """Add the bytes this set holds per device (see ``FastDataParallel.memory_stats``)."""
+        self.layout.add_memory(out)
+        if len(self.devices) > 1:
+            self.buffer_layout.add_memory(out)
 
     def _count_buckets(self) -> None:
         if self.stats is not None:
@@ -293,8 +329,12 @@ class ReplicaSet(LeafAccumulation):
         leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
         self._count_buckets()
         self.group.reset()
-        self.attrs.undo_forward_writes()
-        if no_sync and self.any_grad and torch.is_grad_enabled():
+        if self.attrs.undo_forward_writes():
+            self._point_slots()
+        if self._tainted():
+            self._renew_all()
+        if (no_sync and self.any_grad and torch.is_grad_enabled()
+                and not has_grad_hooks(self.sources)):  # NOTE [ no_sync ]
             return Replicas(self._refresh_no_sync(), self)
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
@@ -311,5 +351,59 @@ class ReplicaSet(LeafAccumulation):
                 self._link(Pending(True))
         else:
             self.pending.value = False
-        self.attrs.seal()
+        self.seal()
         return Replicas(self.replicas, self)
+
+    def seal(self) -> None:
+        """The replicas start a step as the set made them: their dicts, and what their tensors
+        are (NOTE [ Tensors a forward changed ])."""
+        self.attrs.seal()
+        if self.held is None:
+            rows = self.leaves if self.leaf_mode else self.tensors
+            self.held = [t for row in rows for t in row] + [
+                t for row in self.buffer_copies for t in row]
+            self.held_ptrs = list(map(torch.Tensor.data_ptr, self.held))
+            frozen = [k for k, s in enumerate(self.sources) if not s.requires_grad]
+            self.shared_frozen = [rows[j][k] for j in range(1, len(rows))
+                                  if j not in self.copy_rows for k in frozen]
+            self.shared_versions = list(map(_VERSION, self.shared_frozen))
+
+    def after_launch(self) -> None:
+        if self.shared_frozen:
+            self._warn_shared_writes()
+
+    def _warn_shared_writes(self) -> None:
+        """Replicas sharing the originals' storage apply a forward's in-place write to a frozen
+        parameter once each (README, *Persistent replicas*): said once per set."""
+        versions = list(map(_VERSION, self.shared_frozen))
+        if versions != self.shared_versions:
+            self.shared_versions = versions
+            if not self.warned_shared:
+                self.warned_shared = True
+                warnings.warn(_SHARED_WRITE, UserWarning, stacklevel=5)
+
+    def _tainted(self) -> bool:
+        """NOTE [ Tensors a forward changed ]
+        DataParallel's replica tensors are new every step; persistent ones are not, so what a
+        forward does to one would outlive the step: ``.data =`` (the replica would keep that
+        storage and never see a refresh again) or a hook (it would run once more every step).
+        Each step checks every tensor the replicas hold (one C-level pass for storage, one for
+        hooks); a changed set gets fresh tensors (and nodes), as DataParallel's would be."""
+        held = self.held
+        return held is not None and (list(map(torch.Tensor.data_ptr, held)) != self.held_ptrs
+                                     or any(map(_HOOKS, held)))
+
+    def _renew_all(self) -> None:
+        """Fresh tensors for every replica (NOTE [ Tensors a forward changed ]); gradients
+        pending under ``no_sync`` move to fresh leaves."""
+        old = self.leaves
+        self._renew()
+        self._renew_buffers()
+        self.copied = None  # the fresh copies are filled by this refresh
+        if old is not None:
+            self.leaves = make_leaves(self.tensors, self.sources)
+            if self.in_order:
+                mark_static(self.leaves)
+            for new_row, old_row in zip(self.leaves, old):
+                for new, leaf in zip(new_row, old_row):
+                    new.grad = leaf.grad

@@ -457,7 +457,10 @@ def test_a_bucket_of_unused_parameters_gets_zeros_as_in_dataparallel(monkeypatch
     model = _UnusedFirst()
     fdp = FastDataParallel(model, device_ids=["cpu"] * 2, bucket_cap_mb=0.2)
     fdp(torch.randn(4, 256)).sum().backward()
-    assert fdp.comm_stats()["buckets"] == 3 and fdp.comm_stats()["reduces"] == 2
+    # one reduce node per bucket with the extension, one for all without (NOTE [ Unreached
+    # buckets ]); the unused bucket's node never runs
+    reduces = 2 if backend == "ext" else 1
+    assert fdp.comm_stats()["buckets"] == 3 and fdp.comm_stats()["reduces"] == reduces
     assert torch.equal(model.unused.weight.grad, torch.zeros(256, 256))
     assert model.a.weight.grad is not None
     model.zero_grad()

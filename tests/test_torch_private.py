@@ -44,21 +44,20 @@ def test_sequence_numbers_order_ready_nodes():
     assert order == ["x", "y"]  # without it, y (created later: higher number) runs first
 
 
-def test_engine_callbacks_and_will_execute_node():
+def test_engine_callbacks_and_graph_task_ids():
     seen = []
     a = torch.ones(1, requires_grad=True)
-    b = torch.ones(1, requires_grad=True)
     out = a * 2
-    unused = b * 3
 
     def hook(*_):
-        seen.append(("a", tp.will_engine_execute_node(out.grad_fn),
-                     tp.will_engine_execute_node(unused.grad_fn)))
+        seen.append(tp.current_graph_task_id())
         tp.queue_engine_callback(lambda: seen.append("done"))
 
     out.grad_fn.register_prehook(hook)
+    out.sum().backward(retain_graph=True)
     out.sum().backward()
-    assert seen == [("a", True, False), "done"]
+    assert tp.current_graph_task_id() == -1  # outside a backward
+    assert seen[1] == seen[3] == "done" and seen[0] >= 0 and seen[2] > seen[0]
 
 
 def test_dynamo_contexts_are_found():
