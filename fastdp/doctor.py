@@ -1,4 +1,4 @@
-"""``python -m fastdp.doctor``: prove this machine's fastdp paths, one line per check.
+"""``python -m fastdp doctor``: prove this machine's fastdp paths, one line per check.
 
 The first thing to run on a new machine. Every extension path (scatter from pageable, pinned and
 device memory; gather to a device and to the CPU; coalesced broadcast and reduce; the persistent
@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -36,6 +35,7 @@ from torch import nn
 
 import fastdp.comm as comm
 from fastdp import _backend, engine
+from fastdp._callable import callable_module
 from fastdp._devices import as_device
 from fastdp._doctor_cases import (
     AVOID_EXT,
@@ -517,7 +517,7 @@ def _estimate() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastdp.doctor", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m fastdp doctor", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=_estimate())
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
@@ -534,22 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable as ``doctor()``.
-
-    NOTE: ``fastdp.doctor`` is both this module (``python -m fastdp.doctor``) and the function
-    ``fastdp.doctor()``. Importing a submodule binds it on its package, so a plain function of
-    that name would be replaced by the module on the first ``import fastdp.doctor``; and
-    fastdp/__init__.py must not import it eagerly (``-m`` would warn that it ran a module
-    already imported). So the package imports it on first use and the module is callable.
-    """
-
-    def __call__(self, only: str | Sequence[str] | None = None,
-                 quick: bool = False) -> dict[str, Any]:
-        return doctor(only, quick)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+callable_module(__name__, doctor)  # NOTE [ Modules named as functions ]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -172,3 +172,16 @@ def test_python_m_fastdp_run_runs_an_unmodified_trainer_script(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrapped: fastdp.install 2" in proc.stdout  # 5 samples, batch 4: a partial batch
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="Trainer wraps with 2+ CUDA devices")
+def test_fastdp_run_says_why_an_unchanged_trainer_script_built_no_dataparallel(tmp_path):
+    script = tmp_path / "train.py"  # no _n_gpu: Trainer sees this machine's 0 CUDA devices
+    script.write_text(textwrap.dedent(SCRIPT).replace("OUT", str(tmp_path / "out"))
+                      .replace("args._n_gpu = 2", "pass"))
+    proc = subprocess.run([sys.executable, "-m", "fastdp", "run", "--device-ids", "cpu,cpu",
+                           str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrapped: fastdp.install" not in proc.stdout
+    line = [x for x in proc.stderr.splitlines() if x.startswith("fastdp.run:")]
+    assert len(line) == 1 and "no nn.DataParallel was built" in line[0], proc.stderr[-3000:]

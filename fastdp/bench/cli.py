@@ -1,4 +1,4 @@
-"""``python -m fastdp.bench``: fastdp vs nn.DataParallel vs the bare module, on this machine.
+"""``python -m fastdp bench``: fastdp vs nn.DataParallel vs the bare module, on this machine.
 
 Writes a table to stdout, ``results.json``, ``table.txt`` and PNG plots under ``--out``; the
 progress bar and notes go to stderr. See ``bench/README.md`` for what each suite measures.
@@ -74,7 +74,7 @@ def settings(profile: str, repeats: int | None, replicas: tuple[int, ...]) -> Se
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastdp.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fastdp bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="small sizes and few repeats (CPU run < 60 s; CI smoke test)")
