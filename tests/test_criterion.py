@@ -150,16 +150,26 @@ def test_criterion_targets_and_kwargs_nested():
 
 
 def test_criterion_never_gathers_the_output(monkeypatch):
-    fdp, _ = _pair(_net())
+    # CPU replicas gather with torch.cat, not through Gather: the proof is what loss_fn receives,
+    # each replica's own output object (no gathered copy of it, whole or re-split).
+    fdp, ref = _pair(_net())
     x, y = _data()
     out = fdp(x)
+    seen = []
 
-    def no_gather(*args, **kwargs):
-        raise AssertionError("the criterion gathered the full output")
+    def loss_fn(o, t):
+        seen.append(o)
+        return F.cross_entropy(o, t)
 
-    monkeypatch.setattr(_functions.Gather, "forward", staticmethod(no_gather))
-    loss = fastdp.ParallelCriterion(nn.CrossEntropyLoss())(out, y)
-    loss.backward()
+    def fail(*args, **kwargs):
+        pytest.fail("the criterion gathered the output")
+
+    monkeypatch.setattr(fastdp.Scattered, "gather", fail)
+    monkeypatch.setattr(fastdp.criterion, "gather", fail)
+    monkeypatch.setattr(_functions.Gather, "forward", staticmethod(fail))
+    loss = fastdp.ParallelCriterion(loss_fn)(out, y)
+    assert len(seen) == 3 and all(a is b for a, b in zip(seen, out.outputs))
+    assert_close(loss, F.cross_entropy(ref(x), y))
 
 
 def test_loss_module_with_buffers_is_replicated():
