@@ -96,6 +96,10 @@ def test_bench_writes_png_plots(tiny_run):
     assert "replicate.png" in pngs and "steps_cpu-replicas.png" in pngs
     assert "launch_x_floor.png" in pngs
     assert doc["meta"]["plots"]
+    from matplotlib.image import imread
+
+    for p in pngs:  # NOTE [ Plots a person reads ]
+        assert imread(str(out / p)).shape[1] <= 1600, p
 
 
 def test_gpu_suites_code_runs_on_cpu_devices_in_dry_run(tmp_path, monkeypatch):

@@ -178,13 +178,13 @@ def _rat(r: dict, k: str) -> float | None:
 _SECTIONS = {
     "passthrough": ("Pass-through (no GPU: FastDataParallel(m) calls the module), ms per call",
                     ["workload", "step", "mode", "status", "median", "min", "max", "+us", "x bare"],
-                    lambda r: [r.get("workload"), r.get("step"), r["mode"], _status(r),
+                    lambda r: [r.get("workload"), r.get("step"), _mode(r), _status(r),
                                _t(r, "median_ms"), _t(r, "min_ms"), _t(r, "max_ms"),
                                r.get("overhead_us"), _rat(r, "vs_bare")]),
     "steps": ("Training step (forward + backward), ms",
               ["workload", "input", "devices", "mode", "launch", "status", "median", "min", "max",
                "x floor", "x bare", "x dp_algo", "x torch_dp"],
-              lambda r: [r.get("workload"), r.get("input"), _devs(r), r["mode"], _launch(r),
+              lambda r: [r.get("workload"), r.get("input"), _devs(r), _mode(r), _launch(r),
                          _status(r), _t(r, "median_ms"), _t(r, "min_ms"), _t(r, "max_ms"),
                          _rat(r, "vs_floor"), _rat(r, "vs_bare"), _rat(r, "vs_dp_algo"),
                          _rat(r, "vs_torch_dp")]),
@@ -193,7 +193,7 @@ _SECTIONS = {
                  ["workload", "params", "mode", "launch", "status", "step ms", "x floor",
                   "overhead ms", "calls/step", "in model", "wrapper calls", "in fastdp",
                   "x dp_algo (ovh)"],
-                 lambda r: [r.get("workload"), r.get("params"), r["mode"], _launch(r),
+                 lambda r: [r.get("workload"), r.get("params"), _mode(r), _launch(r),
                             _status(r), _t(r, "median_ms"), _rat(r, "vs_floor"),
                             r.get("overhead_ms"), r.get("calls_per_step"),
                             (r.get("calls") or {}).get("model"),
@@ -248,21 +248,35 @@ def _section(suite: str) -> str:
     return suite
 
 
+def _mode(r: dict) -> str:
+    """The mode as the table names it: the references say what they are."""
+    mode = r.get("mode")
+    if mode == "bare":
+        return "bare (whole batch)"
+    if mode in ("floor", "model_chunks"):
+        return "floor (chunks in turn)"
+    return str(mode)
+
+
 def _launch(r: dict) -> str:
-    """The strategy a fastdp record ran: forced, or ``auto>pick`` (``auto>?`` if undecided)."""
+    """The strategy a fastdp record ran: forced, ``auto → pick``, or why auto picked none."""
     launch = r.get("launch")
     if launch is None:
         return "-"
     if launch != "auto":
         return launch
-    picks = sorted({p["choice"] or "?" for p in r.get("launch_pick") or []})
-    return f"auto>{'/'.join(picks) or '?'}"
+    picks = sorted({p["choice"] for p in r.get("launch_pick") or [] if p.get("choice")})
+    if picks:
+        return f"auto → {'/'.join(picks)}"
+    if len(r.get("devices") or []) <= 1:
+        return "direct (1 replica)"
+    return "auto (trial unfinished)"
 
 
 def _devs(r: dict) -> str:
     d = r.get("devices")
-    if not d:
-        return "-"
+    if not d:  # the bare module of a replica count's configuration: one device, whole batch
+        return f"1 (for x{r['replicas']})" if r.get("mode") == "bare" and r.get("replicas") else "-"
     return f"{d[0]} x{len(d)}" if len(set(d)) == 1 else ",".join(x.split(":")[-1] for x in d)
 
 
