@@ -195,6 +195,7 @@ setup(
     name="torch-fastdp",
     version=read_version(),
     packages=find_packages(include=["fastdp", "fastdp.*"]),
+    package_data={"fastdp": ["py.typed"]},  # PEP 561: users' type checkers read our hints
     ext_modules=[make_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

@@ -113,7 +113,7 @@ LAUNCH_MODES = {"fastdp_threads": "threads", "fastdp_inline": "inline", "fastdp"
 
 def launch_rows(records: list[dict]) -> list[dict]:
     """Per step configuration: the floor and each launch strategy (ms, x floor), auto's pick, and
-    auto / threads (the acceptance ratios of issue 12), all from this run's medians."""
+    auto / threads, all from this run's medians."""
     groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in records:
         if r.get("suite") in STEP_SUITES[1:] or r.get("suite", "").startswith("overhead"):

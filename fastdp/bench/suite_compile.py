@@ -1,4 +1,4 @@
-"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (issue 13).
+"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas.
 
 Per workload and replica count (CPU replicas ``['cpu'] * n``; replicas sharing cuda:0 when a GPU
 is present, unverified until a GPU run), timed interleaved:

@@ -6,7 +6,7 @@
                   each launch strategy forced), fastdp without its extension and DataParallel's
                   algorithm, against the chunked floor and the bare module on the batch. The
                   compute-bound ``wide8`` runs on 2 replicas only (see ``WIDE_REPLICAS``).
-``overhead``      issue 4 point 7: per step (forward + backward, two samples per replica on 4
+``overhead``      per step (forward + backward, two samples per replica on 4
                   replicas) the host time and the Python calls of the wrapper, i.e. the step minus
                   the model's own work (the bare module run on the same 4 chunks in turn).
 ``replicate``     steady-state ``replicate()`` of an n-layer ``nn.Sequential`` of ``Linear(32, 32)``
@@ -43,7 +43,7 @@ PLAN = {
 }
 
 
-WIDE_REPLICAS = (2,)  # the compute-bound workload of issue 12: 2 CPU replicas
+WIDE_REPLICAS = (2,)  # the compute-bound workload: 2 CPU replicas, one per core
 
 
 def plan(profile: str, suite: str) -> list:
