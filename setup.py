@@ -79,8 +79,10 @@ import torch  # noqa: E402
 TORCH_FLOOR = (2, 11)
 _tv = re.match(r"(\d+)\.(\d+)", torch.__version__)
 if _tv is None or (int(_tv[1]), int(_tv[2])) < TORCH_FLOOR:
-    sys.exit(f"setup.py: fastdp needs torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (found "
-             f"{torch.__version__}); pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}' first")
+    sys.exit(
+        f"setup.py: fastdp needs torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (found "
+        f"{torch.__version__}); pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}' first"
+    )
 
 from torch.utils import cpp_extension  # noqa: E402
 

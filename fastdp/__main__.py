@@ -15,8 +15,12 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"info": "fastdp.info", "doctor": "fastdp.doctor", "run": "fastdp.run",
-            "bench": "fastdp.bench.cli"}
+COMMANDS = {
+    "info": "fastdp.info",
+    "doctor": "fastdp.doctor",
+    "run": "fastdp.run",
+    "bench": "fastdp.bench.cli",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m fastdp {{{','.join(COMMANDS)}}} [args ...]\n\n{__doc__}")
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
-        print(f"python -m fastdp: unknown command {argv[0]!r}; choose from "
-              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"python -m fastdp: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
         return 2
     rc = importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     return rc if isinstance(rc, int) else 0

@@ -47,8 +47,14 @@ def _installed_class(defaults: dict[str, Any]) -> type:
         fastdp_defaults = dict(defaults)
         fastdp_built = 0  # wrappers built (subclasses included): fastdp.run reports none
 
-        def __init__(self, module: Any, device_ids: Any = None, output_device: Any = None,
-                     dim: int = 0, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            module: Any,
+            device_ids: Any = None,
+            output_device: Any = None,
+            dim: int = 0,
+            **kwargs: Any,
+        ) -> None:
             opts = {**self.fastdp_defaults, **kwargs}
             if device_ids is None:
                 device_ids = opts.pop("device_ids", None)

@@ -35,20 +35,38 @@ def _device_ids(text: str) -> list[Any]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m fastdp run", description=__doc__.split("\n\nexamples:")[0],
+        prog="python -m fastdp run",
+        description=__doc__.split("\n\nexamples:")[0],
         epilog="examples:" + __doc__.split("examples:")[1],
         usage="%(prog)s [options] (script.py | -m module) [args ...]",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device-ids", type=_device_ids, default=None,
-                   help="replica devices for every nn.DataParallel the script builds without "
-                        "device_ids: '0,1,2,3', or 'cpu,cpu' (CPU replicas)")
-    p.add_argument("--launch", choices=("auto", "threads", "inline"), default=None,
-                   help="how the replicas' forwards run (FastDataParallel's launch=)")
-    p.add_argument("--scalar-outputs", choices=("stack", "mean", "sum"), default=None,
-                   help="how per-replica losses are gathered (FastDataParallel's scalar_outputs=; "
-                        "default stack, DataParallel's vector: right for HF Trainer)")
-    p.add_argument("-m", dest="module", metavar="module",
-                   help="run a module as `python -m module` does; what follows are its arguments")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--device-ids",
+        type=_device_ids,
+        default=None,
+        help="replica devices for every nn.DataParallel the script builds without "
+        "device_ids: '0,1,2,3', or 'cpu,cpu' (CPU replicas)",
+    )
+    p.add_argument(
+        "--launch",
+        choices=("auto", "threads", "inline"),
+        default=None,
+        help="how the replicas' forwards run (FastDataParallel's launch=)",
+    )
+    p.add_argument(
+        "--scalar-outputs",
+        choices=("stack", "mean", "sum"),
+        default=None,
+        help="how per-replica losses are gathered (FastDataParallel's scalar_outputs=; "
+        "default stack, DataParallel's vector: right for HF Trainer)",
+    )
+    p.add_argument(
+        "-m",
+        dest="module",
+        metavar="module",
+        help="run a module as `python -m module` does; what follows are its arguments",
+    )
     p.add_argument("script", nargs="?", help="the Python script to run (or -m module)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return p
@@ -60,7 +78,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         a = argv[i]
         if a == "--":
-            return argv[:i], argv[i + 1:]
+            return argv[:i], argv[i + 1 :]
         if a == "-m" or (a.startswith("-m") and not a.startswith("--")) or not a.startswith("-"):
             return argv[:i], argv[i:]
         i += 2 if a in _VALUED else 1
@@ -85,9 +103,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
 
 def _why_no_dataparallel() -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return ("fastdp.run: no nn.DataParallel was built, so nothing ran on replicas: the script "
-            "never constructed one (HF Trainer and most scripts wrap the model only when they see "
-            f"more than one CUDA device and were not started by torchrun; this machine has {gpus})")
+    return (
+        "fastdp.run: no nn.DataParallel was built, so nothing ran on replicas: the script "
+        "never constructed one (HF Trainer and most scripts wrap the model only when they see "
+        f"more than one CUDA device and were not started by torchrun; this machine has {gpus})"
+    )
 
 
 def _run_script(path: str) -> None:
@@ -99,8 +119,15 @@ def _run_script(path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ns, module, script_argv = parse(sys.argv[1:] if argv is None else argv)
-    defaults = {k: v for k, v in (("device_ids", ns.device_ids), ("launch", ns.launch),
-                                  ("scalar_outputs", ns.scalar_outputs)) if v is not None}
+    defaults = {
+        k: v
+        for k, v in (
+            ("device_ids", ns.device_ids),
+            ("launch", ns.launch),
+            ("scalar_outputs", ns.scalar_outputs),
+        )
+        if v is not None
+    }
     cls = install(**defaults).cls
     sys.argv = script_argv
     ended = False

@@ -16,10 +16,15 @@ from matplotlib.text import Text  # noqa: E402
 
 from fastdp.bench import plots  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
-                       "results")
-RUNS = ("cpu-2core-2026-11-24-snapshots", "cpu-xeon-2core-2026-11-22",
-        "gpu-h100-2026-11-24/gpu-comm", "gpu-h100-2026-11-24/gpu-steps")
+RESULTS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results"
+)
+RUNS = (
+    "cpu-2core-2026-11-24-snapshots",
+    "cpu-xeon-2core-2026-11-22",
+    "gpu-h100-2026-11-24/gpu-comm",
+    "gpu-h100-2026-11-24/gpu-steps",
+)
 PALETTE = {c.lower() for c in plots.OKABE_ITO.values()}
 
 
@@ -37,9 +42,15 @@ FIGURES = _figures()
 
 def test_every_figure_kind_is_drawn():
     names = {name.rsplit("/", 1)[1] for name, _ in FIGURES}
-    assert {"launch_x_floor.png", "steps_cpu-replicas.png", "steps_passthrough.png",
-            "steps_gpu-steps.png", "overhead.png", "replicate.png",
-            "bandwidth_gpu-comm.png"} <= names
+    assert {
+        "launch_x_floor.png",
+        "steps_cpu-replicas.png",
+        "steps_passthrough.png",
+        "steps_gpu-steps.png",
+        "overhead.png",
+        "replicate.png",
+        "bandwidth_gpu-comm.png",
+    } <= names
 
 
 @pytest.fixture(params=FIGURES, ids=[name for name, _ in FIGURES])
@@ -86,8 +97,11 @@ def _series(fig) -> list[tuple[str, object]]:
     """(label, artist) of every labelled line and bar group plotted."""
     out = []
     for ax in _axes(fig):
-        out += [(line.get_label(), line) for line in ax.get_lines()
-                if not line.get_label().startswith("_")]
+        out += [
+            (line.get_label(), line)
+            for line in ax.get_lines()
+            if not line.get_label().startswith("_")
+        ]
         out += [(c.get_label(), c) for c in ax.containers if isinstance(c, BarContainer)]
     return out
 
@@ -96,10 +110,15 @@ def test_every_series_is_in_the_legend(fig):
     legends = [lg for lg in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if lg]
     shown = {t.get_text() for lg in legends for t in lg.get_texts()}
     series = _series(fig)
-    assert series and all(label in shown for label, _ in series), (
-        {label for label, _ in series} - shown)
-    unlabelled = [line for ax in _axes(fig) for line in ax.get_lines()
-                  if line.get_label().startswith("_") and line.get_marker() not in ("None", None)]
+    assert series and all(label in shown for label, _ in series), {
+        label for label, _ in series
+    } - shown
+    unlabelled = [
+        line
+        for ax in _axes(fig)
+        for line in ax.get_lines()
+        if line.get_label().startswith("_") and line.get_marker() not in ("None", None)
+    ]
     assert not unlabelled  # a marker nobody can look up
 
 

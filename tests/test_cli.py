@@ -41,12 +41,15 @@ def test_info_prints_the_version():
     assert proc.returncode == 0 and proc.stdout.startswith(f"fastdp {fastdp.__version__}")
 
 
-@pytest.mark.parametrize("code", [
-    "import fastdp.info; import fastdp; assert fastdp.info()['version']",
-    "import fastdp; fastdp.info(); import fastdp.info; assert fastdp.info()['version']",
-    "from fastdp import info; import fastdp.info; assert info()['version']",
-    "import fastdp.doctor, fastdp; assert callable(fastdp.doctor) and callable(fastdp.info)",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import fastdp.info; import fastdp; assert fastdp.info()['version']",
+        "import fastdp; fastdp.info(); import fastdp.info; assert fastdp.info()['version']",
+        "from fastdp import info; import fastdp.info; assert info()['version']",
+        "import fastdp.doctor, fastdp; assert callable(fastdp.doctor) and callable(fastdp.info)",
+    ],
+)
 def test_modules_named_as_functions_stay_callable(code):
     proc = _py("-c", code)
     assert proc.returncode == 0, proc.stderr[-2000:]

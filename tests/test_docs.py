@@ -19,7 +19,9 @@ README = os.path.join(ROOT, "README.md")
 NARRATION = re.compile(
     r"\bissue \d+|\breview N?\d+\b|\bbefore the (?:fix|change|refactor|rewrite)\b"
     r"|\b(?:before|until|since|after) (?:commit )?`?[0-9a-f]{7,40}\b"
-    r"|\buntil 20\d\d\b|\bpreviously\b|\bthe old code\b", re.IGNORECASE)
+    r"|\buntil 20\d\d\b|\bpreviously\b|\bthe old code\b",
+    re.IGNORECASE,
+)
 HASH = re.compile(r"(?<![0-9a-fx_])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![0-9a-z_])")
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 # A results folder's name carries its date: a path into bench/results names a source, not history.
@@ -27,8 +29,16 @@ RESULT_PATH = re.compile(r"(?:bench/)?results/[\w./-]+|gpu-h100-[\w-]+|cpu-[\w-]
 
 
 def _checked_files() -> list[str]:
-    pats = ["fastdp/**/*.py", "csrc/**/*.cpp", "csrc/**/*.h", "csrc/**/*.cu", "csrc/**/*.cuh",
-            "README.md", "bench/README.md", "docs/*.md"]
+    pats = [
+        "fastdp/**/*.py",
+        "csrc/**/*.cpp",
+        "csrc/**/*.h",
+        "csrc/**/*.cu",
+        "csrc/**/*.cuh",
+        "README.md",
+        "bench/README.md",
+        "docs/*.md",
+    ]
     return sorted({f for p in pats for f in glob.glob(os.path.join(ROOT, p), recursive=True)})
 
 
@@ -50,13 +60,21 @@ def test_no_history_narration_in_code_comments_readme_or_docs():
     assert not bad, "history belongs in git log / CHANGELOG.md:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("line, bad", [
-    ("# fixed in issue 6", True), ("Before 1b9cb07 it rebuilt them", True),
-    ("Until 2026-11-24 a wrapper", True), ("commit `02cf521`", True), ("see review N2", True),
-    ("# see bench/results/gpu-h100-2026-11-24/README.md", False), ("pytorch #31460", False),
-    ("x = 0xdeadbeef1", False), ("the dict no longer holds the key", False),
-    ("a 1000-layer nn.Sequential", False),
-])
+@pytest.mark.parametrize(
+    "line, bad",
+    [
+        ("# fixed in issue 6", True),
+        ("Before 1b9cb07 it rebuilt them", True),
+        ("Until 2026-11-24 a wrapper", True),
+        ("commit `02cf521`", True),
+        ("see review N2", True),
+        ("# see bench/results/gpu-h100-2026-11-24/README.md", False),
+        ("pytorch #31460", False),
+        ("x = 0xdeadbeef1", False),
+        ("the dict no longer holds the key", False),
+        ("a 1000-layer nn.Sequential", False),
+    ],
+)
 def test_the_narration_check_itself(tmp_path, line, bad):
     p = tmp_path / "f.py"
     p.write_text(line + "\n")
@@ -72,10 +90,14 @@ def _generated_blocks() -> list[tuple[str, int, str]]:
     """(results path, replicas, the README's text) of every generated table in the README."""
     with open(README) as f:
         text = f.read()
-    rx = re.compile(r"<!-- generated: python -m fastdp\.bench\.headline (\S+) --replicas (\d+) "
-                    r"-->\n(.*?)\n\n(\|.*?)\n(?:\n|$)", re.S)
-    return [(m.group(1), int(m.group(2)), m.group(3) + "\n\n" + m.group(4))
-            for m in rx.finditer(text)]
+    rx = re.compile(
+        r"<!-- generated: python -m fastdp\.bench\.headline (\S+) --replicas (\d+) "
+        r"-->\n(.*?)\n\n(\|.*?)\n(?:\n|$)",
+        re.S,
+    )
+    return [
+        (m.group(1), int(m.group(2)), m.group(3) + "\n\n" + m.group(4)) for m in rx.finditer(text)
+    ]
 
 
 def test_readme_figures_are_generated_from_committed_results():
@@ -89,13 +111,19 @@ def test_readme_figures_are_generated_from_committed_results():
 
 
 def test_relative_links_in_the_docs_point_at_files():
-    docs = ["README.md", "bench/README.md", "CONTRIBUTING.md", "CHANGELOG.md",
-            *glob.glob("docs/*.md", root_dir=ROOT)]
+    docs = [
+        "README.md",
+        "bench/README.md",
+        "CONTRIBUTING.md",
+        "CHANGELOG.md",
+        *glob.glob("docs/*.md", root_dir=ROOT),
+    ]
     broken = []
     for doc in docs:
         with open(os.path.join(ROOT, doc)) as f:
             for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", f.read()):
                 if "://" not in target and not os.path.exists(
-                        os.path.join(ROOT, os.path.dirname(doc), target)):
+                    os.path.join(ROOT, os.path.dirname(doc), target)
+                ):
                     broken.append(f"{doc}: {target}")
     assert not broken

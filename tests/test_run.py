@@ -30,10 +30,15 @@ print(json.dumps({
 
 
 def _run(args: list[str], cwd: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    )
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _seen(args: list[str], cwd: str) -> dict:
@@ -56,8 +61,9 @@ def project(tmp_path):
 def test_script_sees_what_python_gives_it(project, command):
     script = str(project / "proj" / "probe.py")
     want = _seen([script, "--flag", "x"], cwd=str(project / "elsewhere"))
-    got = _seen([*command, "--device-ids", "cpu,cpu", script, "--flag", "x"],
-                cwd=str(project / "elsewhere"))
+    got = _seen(
+        [*command, "--device-ids", "cpu,cpu", script, "--flag", "x"], cwd=str(project / "elsewhere")
+    )
     assert got == want
     assert got["path0"] == os.path.realpath(project / "proj") and got["helper"] == 42
 
@@ -70,30 +76,41 @@ def test_relative_script_path_is_argv0_as_given(project):
 
 def test_dash_m_runs_a_module_as_python_m_does(project):
     want = _seen(["-m", "probe", "--lr", "1"], cwd=str(project / "proj"))
-    got = _seen(["-m", "fastdp", "run", "--launch", "inline", "-m", "probe", "--lr", "1"],
-                cwd=str(project / "proj"))
+    got = _seen(
+        ["-m", "fastdp", "run", "--launch", "inline", "-m", "probe", "--lr", "1"],
+        cwd=str(project / "proj"),
+    )
     assert got == want and got["name"] == "__main__"
 
 
 def test_script_exit_status_is_kept(project):
     (project / "proj" / "fail.py").write_text("import sys\nsys.exit(3)\n")
-    assert _run(["-m", "fastdp", "run", str(project / "proj" / "fail.py")],
-                str(project)).returncode == 3
+    assert (
+        _run(["-m", "fastdp", "run", str(project / "proj" / "fail.py")], str(project)).returncode
+        == 3
+    )
 
 
 def test_help_gives_the_whole_description(project):
     proc = _run(["-m", "fastdp", "run", "--help"], str(project))
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
-    for phrase in ("sys.path[0]`` is the script's folder", "-m module", "a line on stderr says so.",
-                   "--scalar-outputs", "examples:"):
+    for phrase in (
+        "sys.path[0]`` is the script's folder",
+        "-m module",
+        "a line on stderr says so.",
+        "--scalar-outputs",
+        "examples:",
+    ):
         assert phrase in text
 
 
 def test_no_dataparallel_built_is_said_in_one_line(project):
     (project / "proj" / "plain.py").write_text("print('ran')\n")
-    proc = _run(["-m", "fastdp", "run", "--device-ids", "cpu,cpu",
-                 str(project / "proj" / "plain.py")], str(project))
+    proc = _run(
+        ["-m", "fastdp", "run", "--device-ids", "cpu,cpu", str(project / "proj" / "plain.py")],
+        str(project),
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ran"
     lines = [x for x in proc.stderr.splitlines() if "fastdp.run:" in x]
     assert len(lines) == 1 and "no nn.DataParallel was built" in lines[0]
@@ -102,8 +119,11 @@ def test_no_dataparallel_built_is_said_in_one_line(project):
 
 def test_no_line_when_a_dataparallel_was_built(project):
     (project / "proj" / "dp.py").write_text(
-        "import torch, torch.nn as nn\nnn.DataParallel(nn.Linear(2, 2))(torch.ones(4, 2))\n")
-    proc = _run(["-m", "fastdp", "run", "--device-ids", "cpu,cpu", str(project / "proj" / "dp.py")],
-                str(project))
+        "import torch, torch.nn as nn\nnn.DataParallel(nn.Linear(2, 2))(torch.ones(4, 2))\n"
+    )
+    proc = _run(
+        ["-m", "fastdp", "run", "--device-ids", "cpu,cpu", str(project / "proj" / "dp.py")],
+        str(project),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no nn.DataParallel" not in proc.stderr

@@ -52,8 +52,13 @@ def test_engine_callbacks_and_will_execute_node():
     unused = b * 3
 
     def hook(*_):
-        seen.append(("a", tp.will_engine_execute_node(out.grad_fn),
-                     tp.will_engine_execute_node(unused.grad_fn)))
+        seen.append(
+            (
+                "a",
+                tp.will_engine_execute_node(out.grad_fn),
+                tp.will_engine_execute_node(unused.grad_fn),
+            )
+        )
         tp.queue_engine_callback(lambda: seen.append("done"))
 
     out.grad_fn.register_prehook(hook)

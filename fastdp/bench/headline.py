@@ -22,8 +22,11 @@ def device_line(doc: dict, replicas: int) -> str:
     m = doc["meta"]["machine"]
     gpus = m["gpu"]["names"]
     rec = next(r for r in doc["records"] if r.get("replicas") == replicas and r.get("devices"))
-    where = f"{replicas} replicas on {rec['devices'][0]}" if len(set(rec["devices"])) == 1 \
+    where = (
+        f"{replicas} replicas on {rec['devices'][0]}"
+        if len(set(rec["devices"])) == 1
         else f"{replicas} replicas on {', '.join(rec['devices'])}"
+    )
     hw = f"{gpus[0]}" if gpus else f"{m['cpu']}, {m['cores']} cores, no GPU"
     return f"{hw}; {where}; torch {doc['meta']['torch']}"
 
@@ -33,19 +36,28 @@ def table(doc: dict, replicas: int) -> str:
     medians of the same run."""
     groups: dict[str, dict[str, dict]] = {}
     for r in doc["records"]:
-        if (r.get("suite") in STEP_SUITES[1:] and r.get("replicas") == replicas
-                and r.get("input") in ("tensor", "dict16") and med(r) is not None):
+        if (
+            r.get("suite") in STEP_SUITES[1:]
+            and r.get("replicas") == replicas
+            and r.get("input") in ("tensor", "dict16")
+            and med(r) is not None
+        ):
             groups.setdefault(r["workload"], {})[r["mode"]] = r
-    lines = ["| workload | fastdp step (ms) | speed-up over nn.DataParallel | speed-up over "
-             "DataParallel's algorithm | fastdp / floor |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| workload | fastdp step (ms) | speed-up over nn.DataParallel | speed-up over "
+        "DataParallel's algorithm | fastdp / floor |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for workload, g in groups.items():
         fd = g.get("fastdp")
         if not fd:
             continue
         floor = g.get("floor")
         x_floor = f"{med(fd) / med(floor):.2f}x" if floor and med(floor) else "n/a"
-        lines.append(f"| {workload} | {med(fd):.3g} | {_speedup(g.get('torch_dp'), fd)} | "
-                     f"{_speedup(g.get('dp_algo'), fd)} | {x_floor} |")
+        lines.append(
+            f"| {workload} | {med(fd):.3g} | {_speedup(g.get('torch_dp'), fd)} | "
+            f"{_speedup(g.get('dp_algo'), fd)} | {x_floor} |"
+        )
     return "\n".join(lines)
 
 

@@ -18,25 +18,63 @@ from typing import Any
 from fastdp.bench.report import STEP_SUITES, launch_rows, med
 
 # Okabe & Ito, "Color Universal Design": distinct under the common colour-vision deficiencies.
-OKABE_ITO = {"black": "#000000", "orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73",
-             "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00",
-             "purple": "#CC79A7", "grey": "#999999"}
-COLORS = {"fastdp": OKABE_ITO["blue"], "fastdp_noext": OKABE_ITO["sky"],
-          "fastdp_threads": OKABE_ITO["orange"], "fastdp_inline": OKABE_ITO["green"],
-          "dp_algo": OKABE_ITO["vermillion"], "torch_dp": OKABE_ITO["purple"],
-          "torch": OKABE_ITO["purple"], "bare": OKABE_ITO["black"], "floor": OKABE_ITO["black"]}
-LABELS = {"fastdp": "fastdp", "fastdp_noext": "fastdp, extension disabled",
-          "fastdp_threads": "fastdp, launch=threads", "fastdp_inline": "fastdp, launch=inline",
-          "dp_algo": "DataParallel's algorithm (fresh replicas)", "torch_dp": "nn.DataParallel",
-          "torch": "torch.nn.parallel", "bare": "bare module on the whole batch",
-          "floor": "chunked floor: bare module on the same chunks in turn (= 1)"}
-MARKERS = {"fastdp": "o", "fastdp_noext": "v", "fastdp_threads": "^", "fastdp_inline": "s",
-           "dp_algo": "D", "torch_dp": "P", "torch": "P"}
+OKABE_ITO = {
+    "black": "#000000",
+    "orange": "#E69F00",
+    "sky": "#56B4E9",
+    "green": "#009E73",
+    "yellow": "#F0E442",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "purple": "#CC79A7",
+    "grey": "#999999",
+}
+COLORS = {
+    "fastdp": OKABE_ITO["blue"],
+    "fastdp_noext": OKABE_ITO["sky"],
+    "fastdp_threads": OKABE_ITO["orange"],
+    "fastdp_inline": OKABE_ITO["green"],
+    "dp_algo": OKABE_ITO["vermillion"],
+    "torch_dp": OKABE_ITO["purple"],
+    "torch": OKABE_ITO["purple"],
+    "bare": OKABE_ITO["black"],
+    "floor": OKABE_ITO["black"],
+}
+LABELS = {
+    "fastdp": "fastdp",
+    "fastdp_noext": "fastdp, extension disabled",
+    "fastdp_threads": "fastdp, launch=threads",
+    "fastdp_inline": "fastdp, launch=inline",
+    "dp_algo": "DataParallel's algorithm (fresh replicas)",
+    "torch_dp": "nn.DataParallel",
+    "torch": "torch.nn.parallel",
+    "bare": "bare module on the whole batch",
+    "floor": "chunked floor: bare module on the same chunks in turn (= 1)",
+}
+MARKERS = {
+    "fastdp": "o",
+    "fastdp_noext": "v",
+    "fastdp_threads": "^",
+    "fastdp_inline": "s",
+    "dp_algo": "D",
+    "torch_dp": "P",
+    "torch": "P",
+}
 HEADLINE_MODES = ("fastdp", "dp_algo", "torch_dp")
-STRATEGIES = (("threads", OKABE_ITO["orange"]), ("inline", OKABE_ITO["green"]),
-              ("auto", OKABE_ITO["blue"]))
-RC = {"font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11, "xtick.labelsize": 10,
-      "ytick.labelsize": 10, "legend.fontsize": 10, "figure.titlesize": 12}
+STRATEGIES = (
+    ("threads", OKABE_ITO["orange"]),
+    ("inline", OKABE_ITO["green"]),
+    ("auto", OKABE_ITO["blue"]),
+)
+RC = {
+    "font.size": 11,
+    "axes.titlesize": 11,
+    "axes.labelsize": 11,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 10,
+    "figure.titlesize": 12,
+}
 WIDTH_IN, DPI = 11.0, 110  # 1210 px
 BAR_IN = 0.24  # height of one horizontal bar
 
@@ -67,8 +105,9 @@ def legend_below(fig, axes) -> None:  # noqa: ANN001
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(lab, h)
-    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 2),
-               frameon=False)
+    fig.legend(
+        list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 2), frameon=False
+    )
 
 
 def finish(fig, legend_in: float) -> None:  # noqa: ANN001
@@ -94,12 +133,25 @@ def _row_bars(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -
     for j, (label, v, color, text) in enumerate(values):
         y = y0 + j * BAR_IN
         if v is None:
-            ax.text(0.02, y, text, va="center", fontsize=10, color=color,
-                    transform=ax.get_yaxis_transform())
+            ax.text(
+                0.02,
+                y,
+                text,
+                va="center",
+                fontsize=10,
+                color=color,
+                transform=ax.get_yaxis_transform(),
+            )
             continue
         ax.barh(y, v, BAR_IN * 0.9, color=color, label=label)
-        ax.text(v, y, f" {text}", va="center", fontsize=10,
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8})
+        ax.text(
+            v,
+            y,
+            f" {text}",
+            va="center",
+            fontsize=10,
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8},
+        )
 
 
 def _unit(group: dict[str, dict]) -> tuple[str, float | None]:
@@ -122,8 +174,13 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
     modes = [m for m in HEADLINE_MODES if any(r["mode"] == m for r in recs)]
     rows = {p: [k for k in groups if k[0] == p] for p in panels}
     heights = [len(rows[p]) * (len(modes) + 1) * BAR_IN + 0.9 for p in panels]
-    fig, axes = plt().subplots(len(panels), 1, figsize=(WIDTH_IN, sum(heights) + 1.6),
-                               squeeze=False, gridspec_kw={"height_ratios": heights})
+    fig, axes = plt().subplots(
+        len(panels),
+        1,
+        figsize=(WIDTH_IN, sum(heights) + 1.6),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     unit_name = "floor"
     for ax, panel in zip(axes[:, 0], panels):
         labels = []
@@ -135,37 +192,78 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
             for m in modes:
                 r = g.get(m)
                 v = med(r) / unit if r and unit else None
-                bars.append((LABELS[m], v, COLORS[m],
-                             times(v) if v is not None else (r or {}).get("status", "-")))
+                bars.append(
+                    (
+                        LABELS[m],
+                        v,
+                        COLORS[m],
+                        times(v) if v is not None else (r or {}).get("status", "-"),
+                    )
+                )
             _row_bars(ax, y0, bars)
             if unit_name == "floor" and g.get("bare") and unit:
-                ax.plot(med(g["bare"]) / unit, y0 + (len(modes) - 1) * BAR_IN / 2, "d",
-                        color=COLORS["bare"], markersize=8, label=LABELS["bare"])
+                ax.plot(
+                    med(g["bare"]) / unit,
+                    y0 + (len(modes) - 1) * BAR_IN / 2,
+                    "d",
+                    color=COLORS["bare"],
+                    markersize=8,
+                    label=LABELS["bare"],
+                )
             fd, dp = g.get("fastdp"), g.get("dp_algo")
             gain = ""
             if fd and dp and med(fd):
                 k = med(dp) / med(fd)
-                gain = (f"\n{k:.2g}x faster than DP's algorithm" if k >= 1 else
-                        f"\n{1 / k:.2g}x slower than DP's algorithm")
+                gain = (
+                    f"\n{k:.2g}x faster than DP's algorithm"
+                    if k >= 1
+                    else f"\n{1 / k:.2g}x slower than DP's algorithm"
+                )
             ms = f"{unit:.3g} ms" if unit else "-"
-            labels.append((y0 + (len(modes) - 1) * BAR_IN / 2,
-                           f"{' '.join(x for x in key[1:3] if x and x != 'tensor')}"
-                           f"{' ' + key[3] if suite == 'passthrough' else ''}"
-                           f"\n{unit_name} {ms}{gain}"))
-        ax.axvline(1.0, color=COLORS["floor"], linestyle="--", linewidth=1.2,
-                   label=LABELS["floor"] if unit_name == "floor" else "bare module (= 1)")
+            labels.append(
+                (
+                    y0 + (len(modes) - 1) * BAR_IN / 2,
+                    f"{' '.join(x for x in key[1:3] if x and x != 'tensor')}"
+                    f"{' ' + key[3] if suite == 'passthrough' else ''}"
+                    f"\n{unit_name} {ms}{gain}",
+                )
+            )
+        ax.axvline(
+            1.0,
+            color=COLORS["floor"],
+            linestyle="--",
+            linewidth=1.2,
+            label=LABELS["floor"] if unit_name == "floor" else "bare module (= 1)",
+        )
         ax.set_yticks([y for y, _ in labels], [t for _, t in labels])
         ax.set_ylim(len(rows[panel]) * (len(modes) + 1) * BAR_IN - BAR_IN, -BAR_IN)
         ax.set_xlim(0, ax.get_xlim()[1] * 1.12)
-        ax.set_xlabel(f"step time / {'chunked floor' if unit_name == 'floor' else 'bare module'}"
-                      " (lower is better)")
-        ax.set_title(_devkey(next((r for k, g in groups.items() if k[0] == panel
-                                   for r in g.values() if r.get("devices")), {})), loc="left")
+        ax.set_xlabel(
+            f"step time / {'chunked floor' if unit_name == 'floor' else 'bare module'}"
+            " (lower is better)"
+        )
+        ax.set_title(
+            _devkey(
+                next(
+                    (
+                        r
+                        for k, g in groups.items()
+                        if k[0] == panel
+                        for r in g.values()
+                        if r.get("devices")
+                    ),
+                    {},
+                )
+            ),
+            loc="left",
+        )
         ax.grid(axis="x", alpha=0.3)
     legend_below(fig, axes[:, 0])
-    fig.suptitle(f"{suite}: forward and training step time against the bare module and "
-                 "nn.DataParallel" if suite == "passthrough" else
-                 f"{suite}: training step time against the floor and DataParallel's algorithm")
+    fig.suptitle(
+        f"{suite}: forward and training step time against the bare module and nn.DataParallel"
+        if suite == "passthrough"
+        else f"{suite}: training step time against the floor and DataParallel's algorithm"
+    )
     finish(fig, 0.9)
     return fig
 
@@ -191,8 +289,12 @@ def launch_figure(records: list[dict]):  # noqa: ANN201
             bars.append((name, v, color, text))
         _row_bars(ax, y0, bars)
         where = f"{r['suite']}: " if len(suites) > 1 else ""
-        ticks.append((y0 + BAR_IN, f"{where}{r['workload']}, {r['replicas']} replicas\n"
-                                    f"floor {r['floor_ms']:.3g} ms"))
+        ticks.append(
+            (
+                y0 + BAR_IN,
+                f"{where}{r['workload']}, {r['replicas']} replicas\nfloor {r['floor_ms']:.3g} ms",
+            )
+        )
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1.2, label=LABELS["floor"])
     ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks])
     ax.set_ylim(len(rows) * per * BAR_IN - BAR_IN, -BAR_IN)
