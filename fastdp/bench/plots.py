@@ -125,7 +125,9 @@ def _devkey(r: dict) -> str:
     d = r.get("devices") or []
     if not d:
         return "no device_ids, no GPU: the wrapper calls the module (pass-through)"
-    return f"{len(d)} replicas on {d[0]}" if len(set(d)) == 1 else f"{len(d)} GPUs ({', '.join(d)})"
+    if len(set(d)) > 1:
+        return f"{len(d)} GPUs ({', '.join(d)})"
+    return f"{len(d)} replica{'s' if len(d) > 1 else ''} on {d[0]}"
 
 
 def _row_bars(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:  # noqa: ANN001
@@ -215,9 +217,9 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
             if fd and dp and med(fd):
                 k = med(dp) / med(fd)
                 gain = (
-                    f"\n{k:.2g}x faster than DP's algorithm"
+                    f"\n{k:.2f}x faster than DP's algorithm"
                     if k >= 1
-                    else f"\n{1 / k:.2g}x slower than DP's algorithm"
+                    else f"\n{1 / k:.2f}x slower than DP's algorithm"
                 )
             ms = f"{unit:.3g} ms" if unit else "-"
             labels.append(
