@@ -235,3 +235,13 @@ def test_fastdp_run_says_why_an_unchanged_trainer_script_built_no_dataparallel(t
     assert "wrapped: fastdp.install" not in proc.stdout
     line = [x for x in proc.stderr.splitlines() if x.startswith("fastdp.run:")]
     assert len(line) == 1 and "no nn.DataParallel was built" in line[0], proc.stderr[-3000:]
+
+
+def test_scalar_outputs_sum_makes_trainer_losses_n_gpu_times_too_large(tmp_path):
+    """What docs/libraries.md says of "sum" with Trainer (which multiplies by n_gpu, then takes the
+    mean): every step's loss is n_gpu times the single-device loss, where "stack" matches it."""
+    data = lm_data(8)  # 2 GPUs x 2 per device: 2 full batches, every replica runs
+    with fastdp.install(device_ids=["cpu"] * 2, scalar_outputs="sum"):
+        summed = train(gpt2, data, tmp_path, 2, epochs=1)
+    ref = train(gpt2, data, tmp_path, 0, per_device=4, epochs=1)
+    torch.testing.assert_close(summed.step_losses[0], 2 * ref.step_losses[0], rtol=1e-4, atol=1e-5)
