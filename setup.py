@@ -79,8 +79,10 @@ import torch  # noqa: E402
 TORCH_FLOOR = (2, 11)
 _tv = re.match(r"(\d+)\.(\d+)", torch.__version__)
 if _tv is None or (int(_tv[1]), int(_tv[2])) < TORCH_FLOOR:
-    sys.exit(f"setup.py: fastdp needs torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (found "
-             f"{torch.__version__}); pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}' first")
+    sys.exit(
+        f"setup.py: fastdp needs torch >= {TORCH_FLOOR[0]}.{TORCH_FLOOR[1]} (found "
+        f"{torch.__version__}); pip install 'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}' first"
+    )
 
 from torch.utils import cpp_extension  # noqa: E402
 
@@ -195,6 +197,7 @@ setup(
     name="torch-fastdp",
     version=read_version(),
     packages=find_packages(include=["fastdp", "fastdp.*"]),
+    package_data={"fastdp": ["py.typed"]},  # PEP 561: users' type checkers read our hints
     ext_modules=[make_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

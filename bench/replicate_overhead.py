@@ -28,13 +28,17 @@ from fastdp.bench.runner import run_tasks  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, nargs="+", default=[10, 30, 100, 300, 1000])
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--with-overhead", action="store_true",
-                   help="also the overhead suite (host time and Python calls per step)")
+    p.add_argument(
+        "--with-overhead",
+        action="store_true",
+        help="also the overhead suite (host time and Python calls per step)",
+    )
     p.add_argument("--json", default=None, help="write the records and metadata here")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = p.parse_args()
@@ -47,9 +51,11 @@ def main() -> None:
     report.add_ratios(records)
     print(report.format_tables(records))
     for row in report.headline(records).get("replicate_cpu", []):
-        print(f"replicate {row['layers']:>5} layers x {row['replicas']} CPU replicas: "
-              f"fastdp {row['fastdp_ms']:.3f} ms, DataParallel's algorithm "
-              f"{row['dp_algo_ms']:.3f} ms, ratio {row['ratio']:.3f}")
+        print(
+            f"replicate {row['layers']:>5} layers x {row['replicas']} CPU replicas: "
+            f"fastdp {row['fastdp_ms']:.3f} ms, DataParallel's algorithm "
+            f"{row['dp_algo_ms']:.3f} ms, ratio {row['ratio']:.3f}"
+        )
     if args.json:
         meta = machine.describe(sys.argv[1:])
         meta["command"] = "python bench/replicate_overhead.py " + " ".join(sys.argv[1:])

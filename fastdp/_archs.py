@@ -39,7 +39,6 @@ def build_arch_list(env: Mapping[str, str], cuda_version: str, gpu_visible: bool
     return default_archs(cuda_version)
 
 
-
 def nvcc_release(text: str) -> str | None:
     """``"13.0"`` from ``nvcc --version``'s output (``Cuda compilation tools, release 13.0``)."""
     m = re.search(r"release (\d+)\.(\d+)", text)
@@ -52,8 +51,9 @@ def toolkit_cuda_version(cuda_home: str | None, torch_cuda: str) -> str:
     cannot be asked."""
     if cuda_home:
         try:
-            out = subprocess.run([f"{cuda_home}/bin/nvcc", "--version"], capture_output=True,
-                                 text=True, timeout=60).stdout
+            out = subprocess.run(
+                [f"{cuda_home}/bin/nvcc", "--version"], capture_output=True, text=True, timeout=60
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             out = ""
         found = nvcc_release(out)

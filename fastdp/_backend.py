@@ -16,8 +16,16 @@ import torch  # noqa: F401  (libtorch must be loaded before _C)
 
 # What the package calls on the extension: a build without one of them (a stale .so from an
 # older checkout) is treated as not loaded, so no call site needs to ask.
-REQUIRED = ("scatter_chunks", "gather_into", "tensor_signature", "DictSnapshot",
-            "grad_fn_use_count", "bucket_reduce_link", "peer_access", "build_info")
+REQUIRED = (
+    "scatter_chunks",
+    "gather_into",
+    "tensor_signature",
+    "DictSnapshot",
+    "grad_fn_use_count",
+    "bucket_reduce_link",
+    "peer_access",
+    "build_info",
+)
 
 _ext: ModuleType | None = None
 _load_error: str | None = None
@@ -28,8 +36,10 @@ except ImportError as e:  # a missing or broken build
 else:
     _missing = [f for f in REQUIRED if not hasattr(_ext, f)]
     if _missing:
-        _ext, _load_error = None, (f"a stale build of fastdp._C lacks {', '.join(_missing)}; "
-                                   "rebuild it")
+        _ext, _load_error = (
+            None,
+            (f"a stale build of fastdp._C lacks {', '.join(_missing)}; rebuild it"),
+        )
 
 _enabled = os.environ.get("FASTDP_DISABLE_EXT", "0") != "1"
 _warned = False

@@ -78,8 +78,10 @@ def finish_replica(orig: Module, r: Module) -> None:
         return
     ctx = context_of_function(impl)
     if ctx is None:  # set by hand to something else: cannot be re-aimed, so run the replica eager
-        _warn_once(f"fastdp: {type(orig).__name__}._compiled_call_impl is not a torch.compile "
-                   "function; its replicas run eager. Use torch.compile(module) instead.")
+        _warn_once(
+            f"fastdp: {type(orig).__name__}._compiled_call_impl is not a torch.compile "
+            "function; its replicas run eager. Use torch.compile(module) instead."
+        )
     r.__dict__["_compiled_call_impl"] = None if ctx is None else ctx(r._call_impl)
 
 
@@ -208,5 +210,6 @@ def _forward_from_compile(fdp: Any, inputs: tuple, kwargs: dict) -> Any:
 _forward_from_compile.__qualname__ = (
     "FastDataParallel.forward [fastdp's host orchestration is not traced; for fullgraph=True "
     "call model.compile(fullgraph=True) on the FastDataParallel, or wrap "
-    "torch.compile(module, fullgraph=True)]")
+    "torch.compile(module, fullgraph=True)]"
+)
 untraced_forward = _torch_private.disable_dynamo(_forward_from_compile)

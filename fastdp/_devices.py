@@ -27,7 +27,8 @@ def as_device(x: Any) -> torch.device:
         dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"fastdp: device type {dev.type!r} is not supported (use CUDA ids or 'cpu')")
+            f"fastdp: device type {dev.type!r} is not supported (use CUDA ids or 'cpu')"
+        )
     return dev
 
 
@@ -48,5 +49,6 @@ def public_id(dev: torch.device) -> int | torch.device:
 
 
 def all_distinct_cuda(devices: Sequence[torch.device]) -> bool:
-    return (all(d.type == "cuda" for d in devices)
-            and len({d.index for d in devices}) == len(devices))
+    return all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(
+        devices
+    )

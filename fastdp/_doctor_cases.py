@@ -19,8 +19,15 @@ import torch
 
 from fastdp import _backend
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool,
-          torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 MiB = 1 << 20
 AVOID_EXT = "FASTDP_DISABLE_EXT=1"
 
@@ -33,8 +40,13 @@ class Skip(Exception):
     """The check cannot run here: SKIP with this text."""
 
 
-def make(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
-         small_ints: bool = False, wide_ints: bool = False) -> torch.Tensor:
+def make(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    small_ints: bool = False,
+    wide_ints: bool = False,
+) -> torch.Tensor:
     """A CPU tensor of `dtype` with varied bits (integers in [-8, 8] when `small_ints`, so that
     sums are exact in every dtype and order: NCCL's reduction order is not torch's; every byte
     value when `wide_ints`)."""
@@ -73,9 +85,20 @@ def cases(small_ints: bool = False) -> Iterator[tuple[str, torch.Tensor, int]]:
 
 def kernel_dtypes() -> list[torch.dtype]:
     """Every dtype torch copies here (float8 where this torch has it)."""
-    out = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
-           torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-           torch.bool]
+    out = [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    ]
     return out + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
 
@@ -93,8 +116,11 @@ def kernel_cases(quick: bool = False) -> Iterator[tuple[str, torch.Tensor, int]]
     for dt in kernel_dtypes():
         yield f"{str(dt).removeprefix('torch.')} ({n},)", fill((n,), dt), 0
     yield f"float32 ({side + 4}, {side}).t() dim 1", fill((side + 4, side), torch.float32).t(), 1
-    yield (f"bfloat16 ({side}, {2 * side})[:, ::2] dim 0",
-           fill((side, 2 * side), torch.bfloat16)[:, ::2], 0)
+    yield (
+        f"bfloat16 ({side}, {2 * side})[:, ::2] dim 0",
+        fill((side, 2 * side), torch.bfloat16)[:, ::2],
+        0,
+    )
     x = fill((4, cl, cl, cl), torch.float16).contiguous(memory_format=torch.channels_last)
     yield f"float16 (4, {cl}, {cl}, {cl}) channels_last dim 0", x, 0
     yield f"float16 (4, {cl}, {cl}, {cl}) channels_last dim 1", x, 1
@@ -143,8 +169,9 @@ def same_bits(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
     """Raises Mismatch unless dtype, shape, device and every byte agree (strides aside)."""
     meta = (got.dtype, tuple(got.shape), got.device)
     if meta != (want.dtype, tuple(want.shape), want.device):
-        raise Mismatch(f"{where}: got {meta}, torch gives "
-                       f"{(want.dtype, tuple(want.shape), want.device)}")
+        raise Mismatch(
+            f"{where}: got {meta}, torch gives {(want.dtype, tuple(want.shape), want.device)}"
+        )
     g, w = bits(got), bits(want)
     if not torch.equal(g, w):
         bad = (g != w).nonzero()

@@ -26,8 +26,9 @@ _SCALAR_WARNING = (
 )
 
 
-def vector_if_scalars(parts: Sequence[torch.Tensor],
-                      dim: int) -> tuple[Sequence[torch.Tensor], bool]:
+def vector_if_scalars(
+    parts: Sequence[torch.Tensor], dim: int
+) -> tuple[Sequence[torch.Tensor], bool]:
     """DataParallel's rule for one output leaf: 0-dim parts gathered along dim 0 become a vector
     (each part viewed as size 1), with its warning. Returns the parts and whether they were."""
     if dim == 0 and parts[0].dim() == 0 and all(t.dim() == 0 for t in parts):
@@ -81,7 +82,7 @@ class Gather(Function):
         ctx.devices, ctx.sizes, ctx.scalar = [], [], []
         outs = []
         for i in range(n_leaves):
-            parts, scalar = vector_if_scalars(flat[i * n_replicas:(i + 1) * n_replicas], dim)
+            parts, scalar = vector_if_scalars(flat[i * n_replicas : (i + 1) * n_replicas], dim)
             ctx.scalar.append(scalar)
             ctx.devices.append([t.device for t in parts])
             ctx.sizes.append([t.size(dim) for t in parts])
@@ -132,7 +133,7 @@ class ReduceAddCoalesced(Function):
     @staticmethod
     def forward(ctx, destination, num_inputs, *grads):
         ctx.devices = [grads[i].device for i in range(0, len(grads), num_inputs)]
-        groups = [grads[i:i + num_inputs] for i in range(0, len(grads), num_inputs)]
+        groups = [grads[i : i + num_inputs] for i in range(0, len(grads), num_inputs)]
         return tuple(comm.reduce_add_coalesced(groups, destination))
 
     @staticmethod

@@ -14,8 +14,10 @@ _STAGES = {
     "gather": "gather_into",
 }
 # NOTE [ Buckets ], NOTE [ One reducer ]: the same engine whatever the extension does.
-_ENGINE = ("engine: flat buckets; CPU transport (copies, sums); CUDA transport "
-           "(torch's broadcast/reduce_add: NCCL between distinct GPUs, else copies)")
+_ENGINE = (
+    "engine: flat buckets; CPU transport (copies, sums); CUDA transport "
+    "(torch's broadcast/reduce_add: NCCL between distinct GPUs, else copies)"
+)
 
 
 def _nccl_version() -> str | None:
@@ -34,10 +36,16 @@ def info() -> dict[str, Any]:
     if torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     backend = {stage: "extension" if ext is not None else "torch" for stage in _STAGES}
-    backend.update(plan="python (torch.chunk sizes; NOTE [ DataParallel's chunking ])",
-                   refresh=_ENGINE,
-                   reduce=_ENGINE + ("; bucket node: C++ (csrc/bucket_reduce.cpp)" if ext
-                                     else "; bucket node: Python (BucketReduce)"))
+    backend.update(
+        plan="python (torch.chunk sizes; NOTE [ DataParallel's chunking ])",
+        refresh=_ENGINE,
+        reduce=_ENGINE
+        + (
+            "; bucket node: C++ (csrc/bucket_reduce.cpp)"
+            if ext
+            else "; bucket node: Python (BucketReduce)"
+        ),
+    )
     return {
         "version": __version__,
         "torch": torch.__version__,

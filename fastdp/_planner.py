@@ -50,8 +50,9 @@ def plan_chunks(
             if c < 0:
                 raise ValueError(f"fastdp: chunk_sizes must be non-negative, got {c}")
         total = sum(chunk_sizes)
-        plan = [list(chunk_sizes) if s == total else chunk_sizes_for(s, num_devices)
-                for s in leaf_sizes]
+        plan = [
+            list(chunk_sizes) if s == total else chunk_sizes_for(s, num_devices) for s in leaf_sizes
+        ]
     else:
         plan = [chunk_sizes_for(s, num_devices) for s in leaf_sizes]
     if plan:
@@ -89,17 +90,20 @@ class StepPlan:
         return None if self.batch is None else chunk_sizes_for(self.batch, len(self.devices))[:n]
 
 
-def make_plan(wrapper: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any,
-              verified: Any = None) -> StepPlan:
+def make_plan(
+    wrapper: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any, verified: Any = None
+) -> StepPlan:
     """The plan of one ``FastDataParallel`` forward: devices, chunk sizes, context."""
     devices: list[torch.device] = wrapper._devices if wrapper.device_ids else []
     sizes, used, batch = None, devices, None
-    if wrapper.chunk_sizes is not None or wrapper.balance is not None or not \
-            wrapper.gather_output:  # [beyond DP] the devices that get rows, and how many
+    if (
+        wrapper.chunk_sizes is not None or wrapper.balance is not None or not wrapper.gather_output
+    ):  # [beyond DP] the devices that get rows, and how many
         batch = balance.first_batch_size((inputs, kwargs), wrapper.dim)
         if devices:
-            used, sizes = balance.plan_devices(devices, batch, wrapper.dim, wrapper.chunk_sizes,
-                                               wrapper.balance)
+            used, sizes = balance.plan_devices(
+                devices, batch, wrapper.dim, wrapper.chunk_sizes, wrapper.balance
+            )
     custom = sizes is not None or len(used) != len(devices)
     ids = [public_id(d) for d in used] if custom else wrapper.device_ids
     direct = not devices or (len(devices) == 1 and devices[0].type == "cpu")

@@ -15,17 +15,30 @@ from typing import Any
 import torch
 from torch._utils import ExceptionWrapper  # torch.nn.parallel's own replica error wrapper
 
-__all__ = ["ExceptionWrapper", "record_function", "log_api_usage_once", "set_sequence_nr",
-           "current_graph_task_id", "queue_engine_callback", "dynamo_module", "functorch_config",
-           "dynamo_context_of", "enclosing_dynamo_context", "disable_dynamo"]
+__all__ = [
+    "ExceptionWrapper",
+    "record_function",
+    "log_api_usage_once",
+    "set_sequence_nr",
+    "current_graph_task_id",
+    "queue_engine_callback",
+    "dynamo_module",
+    "functorch_config",
+    "dynamo_context_of",
+    "enclosing_dynamo_context",
+    "disable_dynamo",
+]
 
 MAX_SEQUENCE_NR = 2**64 - 1
 
 # The profiler's label of a step, as DataParallel's record_function; the C++ context manager
 # inductor uses costs ~0.5 us where record_function costs ~11 (it builds a Python object and
 # calls a dispatcher op even when no profiler runs).
-record_function = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast",
-                          torch.autograd.profiler.record_function)
+record_function = getattr(
+    getattr(torch._C, "_profiler", None),
+    "_RecordFunctionFast",
+    torch.autograd.profiler.record_function,
+)
 
 
 def log_api_usage_once(name: str) -> None:

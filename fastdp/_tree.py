@@ -38,8 +38,12 @@ def flatten(obj: Any, leaves: list[torch.Tensor], objects: list[Any] | None = No
         return ("t", len(leaves) - 1)
     outputs = objects is not None
     if isinstance(obj, dict) and (obj or outputs):
-        return ("di", type(obj), tuple(obj), tuple(flatten(v, leaves, objects)
-                                                   for v in obj.values()))
+        return (
+            "di",
+            type(obj),
+            tuple(obj),
+            tuple(flatten(v, leaves, objects) for v in obj.values()),
+        )
     if _is_namedtuple(obj):
         return ("nt", type(obj), tuple(flatten(x, leaves, objects) for x in obj))
     if isinstance(obj, (tuple, list)) and (obj or outputs):
@@ -48,8 +52,7 @@ def flatten(obj: Any, leaves: list[torch.Tensor], objects: list[Any] | None = No
         return ("tu" if tup else "li", kind, tuple(flatten(x, leaves, objects) for x in obj))
     if outputs and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
-        return ("dc", obj, names, tuple(flatten(getattr(obj, n), leaves, objects)
-                                        for n in names))
+        return ("dc", obj, names, tuple(flatten(getattr(obj, n), leaves, objects) for n in names))
     if not outputs:
         return ("ob", obj)
     objects.append(obj)

@@ -49,8 +49,9 @@ class WorkerPool:
     def _grow(self, n: int) -> None:
         while len(self._queues) < n:
             q: queue.SimpleQueue = queue.SimpleQueue()
-            t = threading.Thread(target=_loop, args=(q,), daemon=True,
-                                 name=f"fastdp-worker-{len(self._queues)}")
+            t = threading.Thread(
+                target=_loop, args=(q,), daemon=True, name=f"fastdp-worker-{len(self._queues)}"
+            )
             t.start()
             self._queues.append(q)
             self._threads.append(t)

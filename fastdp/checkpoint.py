@@ -35,7 +35,8 @@ def unwrap(model: Module) -> Module:
         if isinstance(model, (DataParallel, DistributedDataParallel)):
             model = model.module
         elif type(model).__name__ == "OptimizedModule" and isinstance(
-                getattr(model, "_orig_mod", None), Module):
+            getattr(model, "_orig_mod", None), Module
+        ):
             model = model._orig_mod  # torch.compile's wrapper
         else:
             return model
@@ -48,7 +49,7 @@ def _best_depth(keys: list[str], expected: set[str]) -> int:
         prefix = _PREFIX * depth
         if not keys or not all(k.startswith(prefix) for k in keys):
             break
-        score = sum(k[len(prefix):] in expected for k in keys)
+        score = sum(k[len(prefix) :] in expected for k in keys)
         if score > best_score:
             best, best_score = depth, score
     return best
@@ -56,14 +57,14 @@ def _best_depth(keys: list[str], expected: set[str]) -> int:
 
 def _strip(state_dict: Mapping[str, Any], depth: int) -> OrderedDict:
     prefix = _PREFIX * depth
-    out = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items())
+    out = OrderedDict((k[len(prefix) :], v) for k, v in state_dict.items())
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
         new_meta = OrderedDict()
         for k, v in meta.items():
             full = k + "."
             if full.startswith(prefix):
-                new_meta[full[len(prefix):].rstrip(".")] = v
+                new_meta[full[len(prefix) :].rstrip(".")] = v
         out._metadata = new_meta  # type: ignore[attr-defined]
     return out
 
@@ -77,7 +78,8 @@ def _without_compile_segments(state_dict: Mapping[str, Any], expected: list[str]
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:
         out._metadata = OrderedDict(  # type: ignore[attr-defined]
-            ((k + ".").replace(_COMPILED, "").rstrip("."), v) for k, v in meta.items())
+            ((k + ".").replace(_COMPILED, "").rstrip("."), v) for k, v in meta.items()
+        )
     return out
 
 
@@ -86,8 +88,9 @@ def _near(key: str, candidates: list[str], what: str, prefix: str) -> str:
     return f" ({what}: {', '.join(repr(prefix + c) for c in close)})" if close else ""
 
 
-def load_wrapped_state_dict(wrapper: Module, state_dict: Mapping[str, Any], strict: bool = True,
-                            assign: bool = False) -> _IncompatibleKeys:
+def load_wrapped_state_dict(
+    wrapper: Module, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+) -> _IncompatibleKeys:
     """``wrapper.load_state_dict`` for a wrapper holding ``wrapper.module``; keys with any number
     of ``module.`` prefixes (up to 3) or none. Returns DataParallel-style (``module.``) key names.
     """
@@ -104,17 +107,27 @@ def load_wrapped_state_dict(wrapper: Module, state_dict: Mapping[str, Any], stri
         lines = []
         if result.unexpected_keys:
             pool = result.missing_keys or expected
-            lines.append("Unexpected key(s) in state_dict: " + "; ".join(
-                f'"{shown + k}"{_near(k, pool, "nearest expected", shown)}'
-                for k in result.unexpected_keys) + ".")
+            lines.append(
+                "Unexpected key(s) in state_dict: "
+                + "; ".join(
+                    f'"{shown + k}"{_near(k, pool, "nearest expected", shown)}'
+                    for k in result.unexpected_keys
+                )
+                + "."
+            )
         if result.missing_keys:
-            given = [k[len(shown):] for k in keys]
-            lines.append("Missing key(s) in state_dict: " + "; ".join(
-                f'"{shown + k}"{_near(k, given, "nearest in the checkpoint", shown)}'
-                for k in result.missing_keys) + ".")
+            given = [k[len(shown) :] for k in keys]
+            lines.append(
+                "Missing key(s) in state_dict: "
+                + "; ".join(
+                    f'"{shown + k}"{_near(k, given, "nearest in the checkpoint", shown)}'
+                    for k in result.missing_keys
+                )
+                + "."
+            )
         how = "bare keys" if depth == 0 else f"keys with the prefix {shown!r}"
         raise RuntimeError(
             f"Error(s) in loading state_dict for {type(wrapper).__name__} (read as {how}):\n\t"
-            + "\n\t".join(lines))
+            + "\n\t".join(lines)
+        )
     return _IncompatibleKeys(missing, unexpected)
-

@@ -41,9 +41,14 @@ class Scattered:
 
     __slots__ = ("outputs", "chunk_sizes", "devices", "dim", "output_device")
 
-    def __init__(self, outputs: Sequence[Any], chunk_sizes: Sequence[int] | None,
-                 devices: Sequence[torch.device | None], dim: int = 0,
-                 output_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        outputs: Sequence[Any],
+        chunk_sizes: Sequence[int] | None,
+        devices: Sequence[torch.device | None],
+        dim: int = 0,
+        output_device: torch.device | None = None,
+    ) -> None:
         self.outputs = list(outputs)
         self.chunk_sizes = None if chunk_sizes is None else list(chunk_sizes)
         self.devices = list(devices)
@@ -117,8 +122,9 @@ class ParallelCriterion(Module):
         loss.backward()
     """
 
-    def __init__(self, loss_fn: Callable[..., Any], reduction: str | None = None,
-                 dim: int | None = None) -> None:
+    def __init__(
+        self, loss_fn: Callable[..., Any], reduction: str | None = None, dim: int | None = None
+    ) -> None:
         super().__init__()
         self.loss_fn = loss_fn
         red = reduction if reduction is not None else getattr(loss_fn, "reduction", "mean")
@@ -129,8 +135,11 @@ class ParallelCriterion(Module):
                 "by chunk size, or summed) or 'none' (returns a fastdp.Scattered of per-replica "
                 "losses; .gather() concatenates them)"
             )
-        if red == "mean" and getattr(loss_fn, "weight", None) is not None and isinstance(
-                loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
+        if (
+            red == "mean"
+            and getattr(loss_fn, "weight", None) is not None
+            and isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss))
+        ):
             raise ValueError(
                 "fastdp.ParallelCriterion: a class-weighted mean (weight=...) is normalised by the "
                 "targets' total weight, not by rows, so chunk-size weighting would be wrong; use "
@@ -161,8 +170,9 @@ class ParallelCriterion(Module):
             dev = outputs.devices[0]
             loss = self.loss_fn(outputs.outputs[0], *_to(targets, dev), **_to(kwargs, dev))
             if self.reduction == "none":
-                return Scattered([loss], outputs.chunk_sizes, outputs.devices, dim,
-                                 outputs.output_device)
+                return Scattered(
+                    [loss], outputs.chunk_sizes, outputs.devices, dim, outputs.output_device
+                )
             return loss if outputs.output_device is None else loss.to(outputs.output_device)
         devices = outputs.devices
         if targets or kwargs:

@@ -33,9 +33,12 @@ from fastdp.data_parallel import FastDataParallel
 __all__ = ["wrap", "shard_batch"]
 
 _FDP_KWARGS = frozenset(
-    {"device_ids", "output_device", "dim", "chunk_sizes", "balance", "gather_output"})
+    {"device_ids", "output_device", "dim", "chunk_sizes", "balance", "gather_output"}
+)
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
-    "self", "module"}
+    "self",
+    "module",
+}
 _warned_uneven = False
 
 
@@ -73,8 +76,10 @@ def wrap(model: Module, **kwargs: Any) -> Module:
     """
     unknown = sorted(set(kwargs) - _FDP_KWARGS - _DDP_KWARGS)
     if unknown:
-        raise TypeError(f"fastdp.wrap: unexpected keyword argument(s) {unknown}; it takes "
-                        f"FastDataParallel's {sorted(_FDP_KWARGS)} and DDP's keywords")
+        raise TypeError(
+            f"fastdp.wrap: unexpected keyword argument(s) {unknown}; it takes "
+            f"FastDataParallel's {sorted(_FDP_KWARGS)} and DDP's keywords"
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return FastDataParallel(model, **{k: v for k, v in kwargs.items() if k in _FDP_KWARGS})
     cpu = _cpu_requested(kwargs) or not torch.cuda.is_available()
@@ -83,13 +88,17 @@ def wrap(model: Module, **kwargs: Any) -> Module:
         torch.cuda.set_device(local_rank)  # before NCCL initialises on this rank
     if not dist.is_initialized():
         dist.init_process_group("gloo" if cpu else "nccl")
-    ddp_kwargs = {k: v for k, v in kwargs.items()
-                  if k in _DDP_KWARGS and k not in ("device_ids", "output_device")}
+    ddp_kwargs = {
+        k: v
+        for k, v in kwargs.items()
+        if k in _DDP_KWARGS and k not in ("device_ids", "output_device")
+    }
     if cpu:
         return DistributedDataParallel(model, **ddp_kwargs)
     model.to(torch.device("cuda", local_rank))
-    return DistributedDataParallel(model, device_ids=[local_rank], output_device=local_rank,
-                                   **ddp_kwargs)
+    return DistributedDataParallel(
+        model, device_ids=[local_rank], output_device=local_rank, **ddp_kwargs
+    )
 
 
 def _shard(obj: Any, rank: int, world: int, dim: int, device: torch.device | None) -> Any:
@@ -112,7 +121,8 @@ def _warn_uneven(obj: Any, world: int, dim: int) -> None:
             f"fastdp.shard_batch: a batch of {leaf.size(dim)} does not split evenly over {world} "
             "ranks; DDP averages the ranks' gradients with equal weights, so a mean loss no "
             "longer equals the whole-batch mean (use a divisible batch or drop_last=True)",
-            stacklevel=3)
+            stacklevel=3,
+        )
 
 
 def shard_batch(batch: Any, dim: int = 0, *, device: Any = "auto") -> Any:

@@ -1,4 +1,4 @@
-"""``python -m fastdp.doctor``: prove this machine's fastdp paths, one line per check.
+"""``python -m fastdp doctor``: prove this machine's fastdp paths, one line per check.
 
 The first thing to run on a new machine. Every extension path (scatter from pageable, pinned and
 device memory; gather to a device and to the CPU; coalesced broadcast and reduce; the persistent
@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -36,6 +35,7 @@ from torch import nn
 
 import fastdp.comm as comm
 from fastdp import _backend, engine
+from fastdp._callable import callable_module
 from fastdp._devices import as_device
 from fastdp._doctor_cases import (
     AVOID_EXT,
@@ -70,12 +70,16 @@ def check_extension() -> str:
     if not _backend.enabled():
         raise Skip(f"disabled by {AVOID_EXT}")
     if not _backend.loaded():
-        raise Mismatch(f"fastdp._C failed to import ({_backend.load_error()}): every stage falls "
-                       "back to torch; rebuild with `pip install --no-build-isolation -e .`")
+        raise Mismatch(
+            f"fastdp._C failed to import ({_backend.load_error()}): every stage falls "
+            "back to torch; rebuild with `pip install --no-build-isolation -e .`"
+        )
     cuda = build.get("built_with_cuda") == "1"
     if gpus() and not cuda:
-        raise Mismatch("CPU-only build on a machine with GPUs: CUDA copies fall back to torch; "
-                       "rebuild where nvcc and a CUDA torch are present")
+        raise Mismatch(
+            "CPU-only build on a machine with GPUs: CUDA copies fall back to torch; "
+            "rebuild where nvcc and a CUDA torch are present"
+        )
     return f"loaded, {'CUDA ' + build.get('cuda_version', '') if cuda else 'CPU-only'} build"
 
 
@@ -106,10 +110,12 @@ def scatter_check(where: str, kind: str) -> Callable[[], str]:
         devs, n = _devices(kind), 0
         for label, t, dim in cases():
             src = _source(t, where)
-            ext_vs_torch(lambda src=src, dim=dim: comm.scatter(src, devs, dim=dim),
-                         f"{label} -> {devs}")
+            ext_vs_torch(
+                lambda src=src, dim=dim: comm.scatter(src, devs, dim=dim), f"{label} -> {devs}"
+            )
             n += 1
         return f"{n} cases bit-exact vs torch"
+
     return run
 
 
@@ -119,12 +125,15 @@ def gather_check(kind: str, dest: str) -> Callable[[], str]:
         n = 0
         for label, t, dim in cases():
             with _backend.use_extension(False):
-                parts = comm.scatter(_source(t, "pageable" if kind == "cpu" else "cuda"),
-                                     _devices(kind), dim=dim)
-            ext_vs_torch(lambda parts=parts, dim=dim: comm.gather(parts, dim, dest),
-                         f"{label} -> {dest}")
+                parts = comm.scatter(
+                    _source(t, "pageable" if kind == "cpu" else "cuda"), _devices(kind), dim=dim
+                )
+            ext_vs_torch(
+                lambda parts=parts, dim=dim: comm.gather(parts, dim, dest), f"{label} -> {dest}"
+            )
             n += 1
         return f"{n} cases bit-exact vs torch"
+
     return run
 
 
@@ -162,13 +171,16 @@ def gather_one(parts: list[torch.Tensor], dim: int, dest: torch.device, where: s
     same_bits(got, want, where)
 
 
-def _each_case(quick: bool, each: Callable[[str, torch.Tensor, int], None],
-               subset: list | None = None) -> str:
+def _each_case(
+    quick: bool, each: Callable[[str, torch.Tensor, int], None], subset: list | None = None
+) -> str:
     todo = list(kernel_cases(quick)) if subset is None else subset
     for label, t, dim in todo:
         each(label, t, dim)
-    return f"{len(todo)} cases bit-exact vs torch ({sum(x.nbytes for _, x, _ in todo) / MiB:.0f} " \
-           "MiB each way)"
+    return (
+        f"{len(todo)} cases bit-exact vs torch ({sum(x.nbytes for _, x, _ in todo) / MiB:.0f} "
+        "MiB each way)"
+    )
 
 
 def _each_gpu(quick: bool, *each: Callable[..., None], subset: list | None = None) -> str:
@@ -182,22 +194,30 @@ def _each_gpu(quick: bool, *each: Callable[..., None], subset: list | None = Non
 
 def check_cpu_scatter(quick: bool) -> str:
     _need_kernels(0)
-    return _each_case(quick, lambda lb, t, d: scatter_one(t, d, [torch.device("cpu")] * 2,
-                                                          f"{lb} -> cpu"))
+    return _each_case(
+        quick, lambda lb, t, d: scatter_one(t, d, [torch.device("cpu")] * 2, f"{lb} -> cpu")
+    )
 
 
 def check_cpu_gather(quick: bool) -> str:
     _need_kernels(0)
-    return _each_case(quick, lambda lb, t, d: gather_one(list(t.chunk(3, d)), d,
-                                                         torch.device("cpu"), f"{lb} -> cpu"))
+    return _each_case(
+        quick,
+        lambda lb, t, d: gather_one(list(t.chunk(3, d)), d, torch.device("cpu"), f"{lb} -> cpu"),
+    )
 
 
 def check_host_to_gpus(pinned: bool) -> Callable[[bool], str]:
     def run(quick: bool) -> str:
         _need_kernels(1)
-        out = _each_gpu(quick, lambda g, lb, t, d: scatter_one(
-            _source(t, "pinned") if pinned else t, d, [_cuda(g)] * 2, f"{lb} -> cuda:{g}"))
+        out = _each_gpu(
+            quick,
+            lambda g, lb, t, d: scatter_one(
+                _source(t, "pinned") if pinned else t, d, [_cuda(g)] * 2, f"{lb} -> cuda:{g}"
+            ),
+        )
         return f"every GPU ({gpus()}): {out}"
+
     return run
 
 
@@ -208,29 +228,46 @@ def check_gpu_gather(to_host: bool) -> Callable[[bool], str]:
         def each(g: int, lb: str, t: torch.Tensor, d: int) -> None:
             dest = torch.device("cpu") if to_host else _cuda(g)
             gather_one(list(t.to(_cuda(g)).chunk(3, d)), d, dest, f"{lb} cuda:{g} -> {dest}")
+
         return f"every GPU ({gpus()}): {_each_gpu(quick, each)}"
+
     return run
 
 
 def check_gpu_to_gpus(quick: bool) -> str:
     _need_kernels(2)
     devs = [_cuda(g) for g in range(gpus())]
-    out = _each_case(quick, lambda lb, t, d: scatter_one(t.to(devs[0]), d, devs[1:] + devs[:1],
-                                                         f"{lb} cuda:0 -> {len(devs)} GPUs"))
-    out = _each_case(quick, lambda lb, t, d: gather_one(
-        [c.to(devs[k % len(devs)]) for k, c in enumerate(t.chunk(len(devs), d))], d, devs[0],
-        f"{lb} {len(devs)} GPUs -> cuda:0"))
+    out = _each_case(
+        quick,
+        lambda lb, t, d: scatter_one(
+            t.to(devs[0]), d, devs[1:] + devs[:1], f"{lb} cuda:0 -> {len(devs)} GPUs"
+        ),
+    )
+    out = _each_case(
+        quick,
+        lambda lb, t, d: gather_one(
+            [c.to(devs[k % len(devs)]) for k, c in enumerate(t.chunk(len(devs), d))],
+            d,
+            devs[0],
+            f"{lb} {len(devs)} GPUs -> cuda:0",
+        ),
+    )
     return f"{len(devs)} GPUs both ways: {out}"
 
 
 def check_small_pool(quick: bool) -> str:
     """The 40 MiB cases through a 1 MiB pinned pool: many windows, each reused in turn."""
+
     def up(g: int, lb: str, t: torch.Tensor, d: int) -> None:
         scatter_one(t, d, [_cuda(g)] * 2, f"{lb} -> cuda:{g}, 1 MiB pool")
 
     def down(g: int, lb: str, t: torch.Tensor, d: int) -> None:
-        gather_one(list(t.to(_cuda(g)).chunk(2, d)), d, torch.device("cpu"),
-                   f"{lb} cuda:{g} -> cpu, 1 MiB pool")
+        gather_one(
+            list(t.to(_cuda(g)).chunk(2, d)),
+            d,
+            torch.device("cpu"),
+            f"{lb} cuda:{g} -> cpu, 1 MiB pool",
+        )
 
     _need_kernels(1)
     ext = _backend.ext()
@@ -266,8 +303,10 @@ def check_side_stream(quick: bool) -> str:
         sync()
         same_bits(host, t, f"{label} cuda:{g} -> cpu on a side stream")
         if not all(ok):
-            raise Mismatch(f"{label} on cuda:{g}: a kernel did not follow the side stream "
-                           f"(gather in place {ok[0]}, scatter from the host {ok[1]})")
+            raise Mismatch(
+                f"{label} on cuda:{g}: a kernel did not follow the side stream "
+                f"(gather in place {ok[0]}, scatter from the host {ok[1]})"
+            )
     return f"every GPU ({gpus()}): {label} gathered and scattered on a side stream, in order"
 
 
@@ -288,8 +327,7 @@ KERNEL_CHECKS: list[tuple[str, Callable[[bool], str]]] = [  # the CPU ones first
 
 
 def _lists(kind: str, small_ints: bool) -> list[list[torch.Tensor]]:
-    devs = [torch.device("cpu") if d == "cpu" else torch.device("cuda", d)
-            for d in _devices(kind)]
+    devs = [torch.device("cpu") if d == "cpu" else torch.device("cuda", d) for d in _devices(kind)]
     base = [t for _, t, _ in cases(small_ints)]
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -313,6 +351,7 @@ def _engine_reference(op: str, lists: list[list[torch.Tensor]], devs: list) -> l
 def coalesced_check(op: str, kind: str) -> Callable[[], str]:
     """The replication engine (the step's own broadcast, refresh and reduce: fastdp/engine.py,
     fastdp/reducer.py) in small buckets against torch's per-tensor primitives."""
+
     def run() -> str:
         need_gpus(_GPUS_NEEDED[kind])
         devs = _devices(kind)
@@ -322,8 +361,9 @@ def coalesced_check(op: str, kind: str) -> Callable[[], str]:
         elif op == "reduce":
             got = comm.reduce_add_coalesced(lists, devs[0], 4096)
         else:  # refresh: persistent bucket copies, refreshed in place after the sources changed
-            layout = engine.Layout(lists[0], [as_device(d) for d in devs],
-                                   range(1, len(devs)), 4096)
+            layout = engine.Layout(
+                lists[0], [as_device(d) for d in devs], range(1, len(devs)), 4096
+            )
             layout.refresh(lists[0], None)
             with torch.no_grad():
                 for t, u in zip(lists[0], lists[-1]):
@@ -333,8 +373,11 @@ def coalesced_check(op: str, kind: str) -> Callable[[], str]:
         want = _engine_reference(op, lists, devs)
         sync()
         same(got, want, f"engine {op}", strides=False)
-        return f"{len(lists[0])} tensors of {len(set(t.dtype for t in lists[0]))} dtypes " \
-               f"bit-exact vs torch on {devs}"
+        return (
+            f"{len(lists[0])} tensors of {len(set(t.dtype for t in lists[0]))} dtypes "
+            f"bit-exact vs torch on {devs}"
+        )
+
     return run
 
 
@@ -350,14 +393,18 @@ def check_p2p() -> str:
         for b in range(a + 1, n):
             reported = torch.cuda.can_device_access_peer(a, b)
             direct = ext.peer_access(a, b)
-            rows.append(f"{a}-{b}:{'reported' if reported else 'none'}/"
-                        f"{'enabled+verified' if direct else 'staged'}")
+            rows.append(
+                f"{a}-{b}:{'reported' if reported else 'none'}/"
+                f"{'enabled+verified' if direct else 'staged'}"
+            )
             if reported and not direct and not _p2p_off():
                 bad.append(f"cuda:{a}<->cuda:{b}")
     if bad:
-        raise Mismatch(f"peer access reported but its verification copy failed between "
-                       f"{', '.join(bad)} (fastdp stages those copies; torch's own copies between "
-                       "them may be wrong)")
+        raise Mismatch(
+            f"peer access reported but its verification copy failed between "
+            f"{', '.join(bad)} (fastdp stages those copies; torch's own copies between "
+            "them may be wrong)"
+        )
     return ("FASTDP_P2P=0, all staged: " if _p2p_off() else "") + " ".join(rows)
 
 
@@ -382,13 +429,15 @@ def training_check(kind: str) -> Callable[[], str]:
         dev = torch.device("cpu" if kind == "cpu" else "cuda:0")
         torch.manual_seed(0)
         base = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3)).to(dev)
-        data = [(torch.randn(10, 12, device=dev), torch.randn(10, 3, device=dev))
-                for _ in range(3)]
-        runs = {"plain": _train(copy.deepcopy(base), data, lambda m: m),
-                "fastdp": _train(copy.deepcopy(base), data, lambda m: FastDataParallel(m, ids))}
+        data = [(torch.randn(10, 12, device=dev), torch.randn(10, 3, device=dev)) for _ in range(3)]
+        runs = {
+            "plain": _train(copy.deepcopy(base), data, lambda m: m),
+            "fastdp": _train(copy.deepcopy(base), data, lambda m: FastDataParallel(m, ids)),
+        }
         if kind == "all":  # nn.DataParallel needs distinct GPUs
-            runs["nn.DataParallel"] = _train(copy.deepcopy(base), data,
-                                             lambda m: nn.DataParallel(m, ids))
+            runs["nn.DataParallel"] = _train(
+                copy.deepcopy(base), data, lambda m: nn.DataParallel(m, ids)
+            )
         for name, got in runs.items():
             for k, (g, w) in enumerate(zip(got, runs["plain"])):
                 try:
@@ -396,6 +445,7 @@ def training_check(kind: str) -> Callable[[], str]:
                 except AssertionError as e:
                     raise Mismatch(f"{name} on {ids}, value {k}: {str(e).splitlines()[0]}") from e
         return f"3 SGD steps on {ids}: " + " = ".join(runs) + " (outputs, parameters)"
+
     return run
 
 
@@ -416,12 +466,18 @@ def plan(quick: bool = False) -> list[tuple[str, Callable[[], str], str]]:
     """(name, check, the switch that avoids its path); ``quick``: the kernel checks' small
     cases."""
     out: list[tuple[str, Callable[[], str], str]] = [("extension", check_extension, AVOID_EXT)]
-    scatter = [("pageable", "cpu")] + [(w, k) for k in ("[0,0]", "all")
-                                       for w in ("pageable", "pinned", "cuda")]
+    scatter = [("pageable", "cpu")] + [
+        (w, k) for k in ("[0,0]", "all") for w in ("pageable", "pinned", "cuda")
+    ]
     for where, kind in scatter:
         out.append((f"scatter {where} -> {kind}", scatter_check(where, kind), AVOID_EXT))
-    for kind, dest in (("cpu", "cpu"), ("[0,0]", "cuda:0"), ("[0,0]", "cpu"), ("all", "cuda:0"),
-                       ("all", "cpu")):
+    for kind, dest in (
+        ("cpu", "cpu"),
+        ("[0,0]", "cuda:0"),
+        ("[0,0]", "cpu"),
+        ("all", "cuda:0"),
+        ("all", "cpu"),
+    ):
         out.append((f"gather {kind} -> {dest}", gather_check(kind, dest), AVOID_EXT))
     for name, check in KERNEL_CHECKS:
         out.append((name, partial(check, quick), AVOID_EXT))
@@ -465,13 +521,23 @@ def doctor(only: str | Sequence[str] | None = None, quick: bool = False) -> dict
             continue
         t0 = time.perf_counter()
         status, why = _outcome(check)
-        checks.append({"name": name, "status": status, "why": why,
-                       "avoid": avoid if status == FAIL else None,
-                       "seconds": round(time.perf_counter() - t0, 3)})
-    return {"ok": all(c["status"] != FAIL for c in checks),
-            "seconds": round(time.perf_counter() - start, 3), "quick": quick,
-            "kernel_cases": kernel_labels(quick), "info": _jsonable(info()),
-            "checks": checks}
+        checks.append(
+            {
+                "name": name,
+                "status": status,
+                "why": why,
+                "avoid": avoid if status == FAIL else None,
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
+        )
+    return {
+        "ok": all(c["status"] != FAIL for c in checks),
+        "seconds": round(time.perf_counter() - start, 3),
+        "quick": quick,
+        "kernel_cases": kernel_labels(quick),
+        "info": _jsonable(info()),
+        "checks": checks,
+    }
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -480,51 +546,77 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     i = report["info"]
-    build = ("extension not loaded" if not i["extension_loaded"] else
-             f"CUDA {i['build_cuda_version']} build ({i['arch_list']})" if i["built_with_cuda"]
-             else "CPU-only build")
-    lines = [f"fastdp doctor: fastdp {i['version']}, torch {i['torch']}, {build}, "
-             f"{len(i['gpus'])} GPU(s) {', '.join(sorted(set(i['gpus'])))}".rstrip()]
+    build = (
+        "extension not loaded"
+        if not i["extension_loaded"]
+        else f"CUDA {i['build_cuda_version']} build ({i['arch_list']})"
+        if i["built_with_cuda"]
+        else "CPU-only build"
+    )
+    lines = [
+        f"fastdp doctor: fastdp {i['version']}, torch {i['torch']}, {build}, "
+        f"{len(i['gpus'])} GPU(s) {', '.join(sorted(set(i['gpus'])))}".rstrip()
+    ]
     width = max((len(c["name"]) for c in report["checks"]), default=10)
     for c in report["checks"]:
         lines.append(f"  {c['status']}  {c['name']:<{width}}  {c['why']}")
     counts = {s: sum(c["status"] == s for c in report["checks"]) for s in (PASS, FAIL, SKIP)}
-    lines.append(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped "
-                 f"in {report['seconds']:.1f} s")
+    lines.append(
+        f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped "
+        f"in {report['seconds']:.1f} s"
+    )
     if any(c["name"].startswith("kernels") for c in report["checks"]):
         cases = report["kernel_cases"]
-        lines.append(f"kernel cases ({len(cases)}{', quick' if report['quick'] else ''}): "
-                     + "; ".join(cases))
+        lines.append(
+            f"kernel cases ({len(cases)}{', quick' if report['quick'] else ''}): "
+            + "; ".join(cases)
+        )
     if counts[SKIP] and not i["gpus"]:
         lines.append("no CUDA GPU visible: the GPU checks were skipped")
     for c in report["checks"]:
         if c["status"] == FAIL:
-            lines.append(f"FAILED {c['name']}: set {c['avoid']} to avoid this path "
-                         "(and please report it with the --json output)")
+            lines.append(
+                f"FAILED {c['name']}: set {c['avoid']} to avoid this path "
+                "(and please report it with the --json output)"
+            )
     return "\n".join(lines)
 
 
 def _estimate() -> str:
     """The run time by the case sizes (an estimate from sizes, not a measurement)."""
-    full, quick = (sum(t.numel() * t.element_size() for _, t, _ in kernel_cases(q)) / MiB
-                   for q in (False, True))
-    return (f"Kernel cases: {len(kernel_labels())} inputs of {full:.0f} MiB in all "
-            f"({quick:.1f} MiB with --quick). Each GPU check moves them about twice each way "
-            "(fastdp, then torch) and compares the bytes; with ~10 GB/s host<->GPU and the "
-            "inputs generated on the host per check (the larger cost, ~1 s), expect about "
-            "15 s plus 3 s per GPU on an H100 machine, under 60 s up to 8 GPUs; --quick: a few "
-            "seconds. Not yet measured on a GPU.")
+    full, quick = (
+        sum(t.numel() * t.element_size() for _, t, _ in kernel_cases(q)) / MiB
+        for q in (False, True)
+    )
+    return (
+        f"Kernel cases: {len(kernel_labels())} inputs of {full:.0f} MiB in all "
+        f"({quick:.1f} MiB with --quick). Each GPU check moves them about twice each way "
+        "(fastdp, then torch) and compares the bytes; with ~10 GB/s host<->GPU and the "
+        "inputs generated on the host per check (the larger cost, ~1 s), expect about "
+        "15 s plus 3 s per GPU on an H100 machine, under 60 s up to 8 GPUs; --quick: a few "
+        "seconds. Not yet measured on a GPU."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastdp.doctor", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=_estimate())
+    p = argparse.ArgumentParser(
+        prog="python -m fastdp doctor",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_estimate(),
+    )
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
-    p.add_argument("-k", metavar="TEXT", action="append",
-                   help="only the checks whose name contains TEXT (repeat: any of them)")
-    p.add_argument("--quick", action="store_true",
-                   help="the kernel checks on small cases (a few seconds; the sanitizer's runs)")
+    p.add_argument(
+        "-k",
+        metavar="TEXT",
+        action="append",
+        help="only the checks whose name contains TEXT (repeat: any of them)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the kernel checks on small cases (a few seconds; the sanitizer's runs)",
+    )
     args = p.parse_args(argv)
     report = doctor(args.k, quick=args.quick)
     print(format_report(report))
@@ -534,22 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable as ``doctor()``.
-
-    NOTE: ``fastdp.doctor`` is both this module (``python -m fastdp.doctor``) and the function
-    ``fastdp.doctor()``. Importing a submodule binds it on its package, so a plain function of
-    that name would be replaced by the module on the first ``import fastdp.doctor``; and
-    fastdp/__init__.py must not import it eagerly (``-m`` would warn that it ran a module
-    already imported). So the package imports it on first use and the module is callable.
-    """
-
-    def __call__(self, only: str | Sequence[str] | None = None,
-                 quick: bool = False) -> dict[str, Any]:
-        return doctor(only, quick)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+callable_module(__name__, doctor)  # NOTE [ Modules named as functions ]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,9 +45,16 @@ def _installed_class(defaults: dict[str, Any]) -> type:
         """``torch.nn.DataParallel`` under ``fastdp.install``: FastDataParallel with defaults."""
 
         fastdp_defaults = dict(defaults)
+        fastdp_built = 0  # wrappers built (subclasses included): fastdp.run reports none
 
-        def __init__(self, module: Any, device_ids: Any = None, output_device: Any = None,
-                     dim: int = 0, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            module: Any,
+            device_ids: Any = None,
+            output_device: Any = None,
+            dim: int = 0,
+            **kwargs: Any,
+        ) -> None:
             opts = {**self.fastdp_defaults, **kwargs}
             if device_ids is None:
                 device_ids = opts.pop("device_ids", None)
@@ -58,6 +65,7 @@ def _installed_class(defaults: dict[str, Any]) -> type:
             else:
                 opts.pop("output_device", None)
             super().__init__(module, device_ids, output_device, dim, **opts)
+            DataParallel.fastdp_built += 1
 
     DataParallel.__qualname__ = DataParallel.__name__ = "DataParallel"
     DataParallel.__module__ = "fastdp.install"

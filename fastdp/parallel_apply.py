@@ -24,8 +24,16 @@ from torch.nn.parallel.parallel_apply import get_a_var
 from fastdp._devices import as_device
 from fastdp._torch_private import ExceptionWrapper
 
-__all__ = ["parallel_apply", "capture_state", "ReplicaAborted", "raise_first_error", "reraise",
-           "run_in_turn", "run_on_threads", "must_run_concurrently"]
+__all__ = [
+    "parallel_apply",
+    "capture_state",
+    "ReplicaAborted",
+    "raise_first_error",
+    "reraise",
+    "run_in_turn",
+    "run_on_threads",
+    "must_run_concurrently",
+]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 
@@ -69,8 +77,11 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
     stack.enter_context(torch.set_grad_enabled(state["grad"]))
     for dt in _AUTOCAST_TYPES:
         if dt in state["autocast"]:
-            stack.enter_context(torch.autocast(dt, dtype=state["autocast"][dt],
-                                               cache_enabled=state["autocast_cache"]))
+            stack.enter_context(
+                torch.autocast(
+                    dt, dtype=state["autocast"][dt], cache_enabled=state["autocast_cache"]
+                )
+            )
         elif dt == "cuda" and device.type == "cuda":
             stack.enter_context(torch.autocast("cuda", enabled=False))
     if device.type == "cuda":
@@ -121,8 +132,9 @@ def _wrapped_error(i: int, device: torch.device) -> ExceptionWrapper:
     return ExceptionWrapper(where=f"in replica {i} on device {_public(device)}")
 
 
-def run_replica(i: int, module: Module, inp: Any, kwargs: dict, device: torch.device,
-                state: dict[str, Any]) -> Any:
+def run_replica(
+    i: int, module: Module, inp: Any, kwargs: dict, device: torch.device, state: dict[str, Any]
+) -> Any:
     """Call one replica; returns its output or an ExceptionWrapper (never raises)."""
     try:
         with ExitStack() as stack:
@@ -153,8 +165,12 @@ def must_run_concurrently(modules: Sequence[Module]) -> bool:
     return bool(_CONCURRENT) and bool(modules) and modules[0] in _CONCURRENT
 
 
-def run_in_turn(modules: Sequence[Module], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]],
-             devices: Sequence[torch.device]) -> list[Any]:
+def run_in_turn(
+    modules: Sequence[Module],
+    inputs: Sequence[Any],
+    kwargs: Sequence[dict[str, Any]],
+    devices: Sequence[torch.device],
+) -> list[Any]:
     """The ``inline`` strategy: each replica in turn on the caller's thread.
 
     Here the state ``capture_state`` reads (grad and inference mode, autocast, every device's
@@ -228,8 +244,12 @@ def parallel_apply(
     return results
 
 
-def run_on_threads(modules: Sequence[Module], inputs: Sequence[Any],
-                   kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device]) -> list[Any]:
+def run_on_threads(
+    modules: Sequence[Module],
+    inputs: Sequence[Any],
+    kwargs: Sequence[dict[str, Any]],
+    devices: Sequence[torch.device],
+) -> list[Any]:
     """The ``threads`` strategy without a worker pool: one fresh thread per replica (torch's
     ``parallel_apply``), one replica on the caller's thread. ``parallel_apply`` has waited for
     an interrupted call's stragglers."""
@@ -240,8 +260,9 @@ def run_on_threads(modules: Sequence[Module], inputs: Sequence[Any],
         results[i] = run_replica(i, modules[i], inputs[i], kwargs[i], devices[i], state)
 
     if len(modules) > 1:
-        threads = [threading.Thread(target=work, args=(i,), daemon=True)
-                   for i in range(len(modules))]
+        threads = [
+            threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(modules))
+        ]
         try:
             for t in threads:
                 t.start()

@@ -80,7 +80,7 @@ def _broadcast(tensors: list[torch.Tensor], devices: list[torch.device], detach:
         return comm.broadcast_coalesced(tensors, devices)
     copies = Broadcast.apply(devices, *tensors)
     n = len(tensors)
-    return [list(copies[i:i + n]) for i in range(0, len(copies), n)]
+    return [list(copies[i : i + n]) for i in range(0, len(copies), n)]
 
 
 def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[T]:

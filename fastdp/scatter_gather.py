@@ -67,10 +67,12 @@ OnDrop = Callable[[str], None]
 
 def _unsplittable(t: torch.Tensor, path: str) -> str:
     kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
-    return (f"fastdp: input {path} is {kind}, which cannot be chunked along the batch dim for the "
-            "replicas (nn.DataParallel cannot either). Pass it dense (.to_dense(), or padded "
-            "with torch.nested.to_padded_tensor), or inside an object that is not a tensor, "
-            "list, tuple or dict so that every replica receives it whole.")
+    return (
+        f"fastdp: input {path} is {kind}, which cannot be chunked along the batch dim for the "
+        "replicas (nn.DataParallel cannot either). Pass it dense (.to_dense(), or padded "
+        "with torch.nested.to_padded_tensor), or inside an object that is not a tensor, "
+        "list, tuple or dict so that every replica receives it whole."
+    )
 
 
 def warn_dropped(message: str) -> None:
@@ -93,14 +95,18 @@ def leaf_paths(spec: tuple, with_kwargs: bool) -> dict[int, str]:
     return _tree.paths(spec, "inputs", out)
 
 
-def _drop_message(spec: tuple, sizes: list[int], plan: list[list[int]], lost: list[int],
-                  with_kwargs: bool = False) -> str:
+def _drop_message(
+    spec: tuple, sizes: list[int], plan: list[list[int]], lost: list[int], with_kwargs: bool = False
+) -> str:
     names = leaf_paths(spec, with_kwargs)
-    what = ", ".join(f"{names.get(i, f'tensor {i}')} ({sizes[i]} rows, {sum(plan[i])} used)"
-                     for i in lost)
-    return (f"fastdp: input tensors split into different numbers of chunks; as nn.DataParallel "
-            f"does, {len(plan[0])} replica(s) run (the fewest chunks of any tensor) and the "
-            f"extra rows of {what} are dropped. Pass strict_chunks=True to make this an error.")
+    what = ", ".join(
+        f"{names.get(i, f'tensor {i}')} ({sizes[i]} rows, {sum(plan[i])} used)" for i in lost
+    )
+    return (
+        f"fastdp: input tensors split into different numbers of chunks; as nn.DataParallel "
+        f"does, {len(plan[0])} replica(s) run (the fewest chunks of any tensor) and the "
+        f"extra rows of {what} are dropped. Pass strict_chunks=True to make this an error."
+    )
 
 
 # NOTE [ Same-device scatter and gather ]
@@ -116,14 +122,23 @@ def _one_device(tensors: Sequence[Any], devices: Sequence[torch.device]) -> bool
         if d != dev:
             return False
     for t in tensors:  # loops, not all(): this runs twice a step
-        if type(t) is not torch.Tensor or t.device != dev or t.layout != torch.strided or \
-                t.is_nested:
+        if (
+            type(t) is not torch.Tensor
+            or t.device != dev
+            or t.layout != torch.strided
+            or t.is_nested
+        ):
             return False
     return True
 
 
-def _split_tensors(inputs: tuple, devices: Sequence[torch.device], dim: int,
-                   chunk_sizes: Sequence[int] | None, on_drop: OnDrop | None) -> Any:
+def _split_tensors(
+    inputs: tuple,
+    devices: Sequence[torch.device],
+    dim: int,
+    chunk_sizes: Sequence[int] | None,
+    on_drop: OnDrop | None,
+) -> Any:
     """``scatter_kwargs`` of positional tensors (no kwargs) on the replicas' one device; None
     where a leaf needs the general path's error (0-dim, ``dim`` out of range)."""
     dims = []
@@ -155,8 +170,9 @@ def _chunk_sizes(size: int, n: int) -> tuple[int, ...]:
     return tuple(chunk_sizes_for(size, n))
 
 
-def _scatter_flat(devices: list[torch.device], plan: list[list[int]], dims: list[int],
-                  leaves: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+def _scatter_flat(
+    devices: list[torch.device], plan: list[list[int]], dims: list[int], leaves: list[torch.Tensor]
+) -> Sequence[torch.Tensor]:
     """Replica-major chunks: ``flat[r * len(leaves) + i]`` is chunk ``r`` of leaf ``i``."""
     if not _one_device(leaves, devices):
         return Scatter.apply(devices, plan, dims, *leaves)
@@ -183,20 +199,22 @@ def scatter_kwargs(
         if fast is not None:
             return fast
     kwargs = kwargs or {}
-    spec, leaves, dims, plan = scatter_plan((tuple(inputs), kwargs), target_devices, dim,
-                                            chunk_sizes, on_drop, with_kwargs=True)
+    spec, leaves, dims, plan = scatter_plan(
+        (tuple(inputs), kwargs), target_devices, dim, chunk_sizes, on_drop, with_kwargs=True
+    )
     if not leaves:
         n = len(target_devices) if (inputs or kwargs) else 0
         return tuple(tuple(inputs) for _ in range(n)), tuple(dict(kwargs) for _ in range(n))
     n = len(plan[0])
     flat = _scatter_flat(list(target_devices[:n]), plan, dims, leaves)
     L = len(leaves)
-    outs = [_tree.build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
+    outs = [_tree.build(spec, flat[r * L : (r + 1) * L]) for r in range(n)]
     return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
 
 
-def scatter(inputs: Any, target_devices: Sequence[torch.device], dim: int = 0,
-            on_drop: OnDrop | None = None) -> list[Any]:
+def scatter(
+    inputs: Any, target_devices: Sequence[torch.device], dim: int = 0, on_drop: OnDrop | None = None
+) -> list[Any]:
     """DataParallel's ``scatter``: one entry per chunk (tuple for a tensor input, else a list)."""
     spec, leaves, dims, plan = scatter_plan(inputs, target_devices, dim, None, on_drop)
     if not leaves:
@@ -204,7 +222,7 @@ def scatter(inputs: Any, target_devices: Sequence[torch.device], dim: int = 0,
     n = len(plan[0])
     flat = _scatter_flat(list(target_devices[:n]), plan, dims, leaves)
     L = len(leaves)
-    res = [_tree.build(spec, flat[r * L:(r + 1) * L]) for r in range(n)]
+    res = [_tree.build(spec, flat[r * L : (r + 1) * L]) for r in range(n)]
     return tuple(res) if isinstance(inputs, torch.Tensor) else res
 
 
@@ -219,8 +237,9 @@ def _same_structure(specs: list[tuple], path: str = "output") -> None:
     for b in specs[1:]:
         if a[0] != b[0]:
             if "t" in (a[0], b[0]):
-                raise TypeError(f"fastdp: replicas returned a tensor in some replicas and not "
-                                f"others ({path})")
+                raise TypeError(
+                    f"fastdp: replicas returned a tensor in some replicas and not others ({path})"
+                )
             raise ValueError(f"fastdp: replicas returned different types at {path}")
         if a[0] == "di" and len(a[2]) != len(b[2]):
             raise ValueError("All dicts must have the same number of keys")
@@ -238,8 +257,13 @@ def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(vector_if_scalars(parts, dim)[0], dim)
 
 
-def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: str = "stack",
-           weights: Sequence[int] | None = None) -> Any:
+def gather(
+    outputs: Sequence[Any],
+    target_device: Any,
+    dim: int = 0,
+    scalars: str = "stack",
+    weights: Sequence[int] | None = None,
+) -> Any:
     """Gather per-replica outputs onto ``target_device`` (one fused Gather for all tensors).
 
     ``scalars``: floating one-element outputs (losses) gathered along dim 0 become DataParallel's
@@ -277,12 +301,14 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0, scalars: st
         for g, t in zip(rest, done):
             gathered[g] = t
     # outputs that are not tensors or containers: None stays None, others a per-replica list
-    return _tree.build(specs[0], gathered, lambda k: None if objects[0][k] is None
-                       else [o[k] for o in objects])
+    return _tree.build(
+        specs[0], gathered, lambda k: None if objects[0][k] is None else [o[k] for o in objects]
+    )
 
 
-def _combine(parts: Sequence[torch.Tensor], target: torch.device, how: str,
-             weights: Sequence[int] | None) -> torch.Tensor:
+def _combine(
+    parts: Sequence[torch.Tensor], target: torch.device, how: str, weights: Sequence[int] | None
+) -> torch.Tensor:
     """One value, shaped as each replica's, from the replicas' (differentiable; on ``target``)."""
     values = torch.stack([p.reshape(()).to(target) for p in parts])
     if how == "sum":

@@ -30,8 +30,18 @@ from fastdp import _tree
 from fastdp._workers import WorkerPool
 from fastdp.parallel_apply import capture_state, run_in_turn, run_on_threads, run_replica
 
-__all__ = ["Strategy", "Threads", "Inline", "Auto", "THREADS", "INLINE", "LAUNCHES", "make",
-           "resolve_launch", "input_key"]
+__all__ = [
+    "Strategy",
+    "Threads",
+    "Inline",
+    "Auto",
+    "THREADS",
+    "INLINE",
+    "LAUNCHES",
+    "make",
+    "resolve_launch",
+    "input_key",
+]
 
 
 class Strategy:
@@ -41,9 +51,14 @@ class Strategy:
 
     name = ""
 
-    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
-            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
-            pool: WorkerPool | None = None) -> list[Any]:
+    def run(
+        self,
+        modules: Sequence[Module],
+        inputs: Sequence[Any],
+        kwargs: Sequence[dict[str, Any]],
+        devices: Sequence[torch.device],
+        pool: WorkerPool | None = None,
+    ) -> list[Any]:
         raise NotImplementedError
 
     def ran(self) -> str:
@@ -60,14 +75,23 @@ class Threads(Strategy):
 
     name = "threads"
 
-    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
-            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
-            pool: WorkerPool | None = None) -> list[Any]:
+    def run(
+        self,
+        modules: Sequence[Module],
+        inputs: Sequence[Any],
+        kwargs: Sequence[dict[str, Any]],
+        devices: Sequence[torch.device],
+        pool: WorkerPool | None = None,
+    ) -> list[Any]:
         if pool is None:
             return run_on_threads(modules, inputs, kwargs, devices)
         state = capture_state(devices)  # in the caller: NOTE [ The caller's streams ]
-        return pool.run([_Call(i, modules[i], inputs[i], kwargs[i], devices[i], state)
-                         for i in range(len(modules))])
+        return pool.run(
+            [
+                _Call(i, modules[i], inputs[i], kwargs[i], devices[i], state)
+                for i in range(len(modules))
+            ]
+        )
 
 
 class Inline(Strategy):
@@ -75,9 +99,14 @@ class Inline(Strategy):
 
     name = "inline"
 
-    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
-            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
-            pool: WorkerPool | None = None) -> list[Any]:
+    def run(
+        self,
+        modules: Sequence[Module],
+        inputs: Sequence[Any],
+        kwargs: Sequence[dict[str, Any]],
+        devices: Sequence[torch.device],
+        pool: WorkerPool | None = None,
+    ) -> list[Any]:
         return run_in_turn(modules, inputs, kwargs, devices)
 
 
@@ -140,9 +169,14 @@ class Auto(Strategy):
         self.entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self.last: str | None = None
 
-    def run(self, modules: Sequence[Module], inputs: Sequence[Any],
-            kwargs: Sequence[dict[str, Any]], devices: Sequence[torch.device],
-            pool: WorkerPool | None = None) -> list[Any]:
+    def run(
+        self,
+        modules: Sequence[Module],
+        inputs: Sequence[Any],
+        kwargs: Sequence[dict[str, Any]],
+        devices: Sequence[torch.device],
+        pool: WorkerPool | None = None,
+    ) -> list[Any]:
         if pool is None:
             self.last = "threads"
             return THREADS.run(modules, inputs, kwargs, devices)
@@ -195,8 +229,13 @@ class Auto(Strategy):
         """One record per key: its choice (None while still measuring) and the medians (ms)."""
         out = []
         for key, e in self.entries.items():
-            rec: dict[str, Any] = {"devices": [str(d) for d in key[0]], "inputs": repr(key[1]),
-                                   "grad": key[2], "choice": e.choice, "trials": e.trials}
+            rec: dict[str, Any] = {
+                "devices": [str(d) for d in key[0]],
+                "inputs": repr(key[1]),
+                "grad": key[2],
+                "choice": e.choice,
+                "trials": e.trials,
+            }
             for s, t in e.times.items():
                 rec[f"{s}_ms"] = statistics.median(t) * 1e3 if t else None
             out.append(rec)

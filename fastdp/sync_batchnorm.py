@@ -78,30 +78,41 @@ class _Rendezvous:
                     r, exc = self.failed
                     raise ReplicaAborted(
                         f"fastdp: replica {rank} stopped waiting at {where} because replica {r} "
-                        f"failed: {type(exc).__name__}: {exc}") from exc
+                        f"failed: {type(exc).__name__}: {exc}"
+                    ) from exc
                 missing = [r for r in range(n) if entry[0][r] is None]
                 gone = [r for r in missing if self.done[r]]
                 if gone:
                     raise RuntimeError(
                         f"fastdp: replica {rank} waits at {where} but replica(s) {gone} finished "
                         "their forward without reaching it; every replica must call each "
-                        "SyncBatchNorm the same number of times (data-dependent control flow?)")
+                        "SyncBatchNorm the same number of times (data-dependent control flow?)"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
                         f"fastdp: replica {rank} waited {self.timeout:g} s at {where} for "
                         f"replica(s) {missing}; set FASTDP_SYNC_TIMEOUT (seconds) if they are "
-                        "just slow")
+                        "just slow"
+                    )
                 self.cond.wait(left)
             entry[2] += 1
             if entry[2] == n:
                 del self.slots[key]
             return entry[0]
 
-    def batch_norm(self, key: tuple[int, int], rank: int, x: torch.Tensor,
-                   weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                   momentum: float, eps: float) -> torch.Tensor:
+    def batch_norm(
+        self,
+        key: tuple[int, int],
+        rank: int,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        momentum: float,
+        eps: float,
+    ) -> torch.Tensor:
         dims = [0, *range(2, x.dim())]
         xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         count = x.numel() // x.size(1)
@@ -113,22 +124,23 @@ class _Rendezvous:
         if x.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(x.device))
-        means, vars_, counts = _collect(self.exchange(key, rank, (mean, var, count, event)),
-                                        x.device)
+        means, vars_, counts = _collect(
+            self.exchange(key, rank, (mean, var, count, event)), x.device
+        )
         total = sum(counts)
         if total <= 1:
-            raise ValueError("Expected more than 1 value per channel when training, got input "
-                             f"size {[total, *x.shape[1:]]} over all replicas")
+            raise ValueError(
+                "Expected more than 1 value per channel when training, got input "
+                f"size {[total, *x.shape[1:]]} over all replicas"
+            )
         shares = [c / total for c in counts]  # Python floats: no host-to-device copy
         g_mean = sum(m * s for m, s in zip(means, shares))
         g_var = sum((v + (m - g_mean) ** 2) * s for m, v, s in zip(means, vars_, shares))
         if running_mean is not None:
             with torch.no_grad():
-                running_mean.mul_(1 - momentum).add_(g_mean.to(running_mean.dtype),
-                                                     alpha=momentum)
+                running_mean.mul_(1 - momentum).add_(g_mean.to(running_mean.dtype), alpha=momentum)
                 unbiased = g_var * (total / (total - 1))
-                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype),
-                                                    alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
         return _BatchNormElemt.apply(x, g_mean, torch.rsqrt(g_var + eps), weight, bias)
 
 
@@ -191,8 +203,9 @@ class _Forward:
 
     __slots__ = ("ref", "inner", "rv", "rank", "layer", "root", "calls")
 
-    def __init__(self, module: Module, rv: _Rendezvous, rank: int, layer: int | None,
-                 root: bool) -> None:
+    def __init__(
+        self, module: Module, rv: _Rendezvous, rank: int, layer: int | None, root: bool
+    ) -> None:
         prev = module.__dict__.get("forward")
         self.inner = prev.inner if isinstance(prev, _Forward) else prev
         self.ref = weakref.ref(module)
@@ -233,9 +246,17 @@ def _sync_bn_forward(m: SyncBatchNorm, fwd: _Forward, input: torch.Tensor) -> to
         factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
     key = (fwd.layer, fwd.calls)
     fwd.calls += 1
-    return fwd.rv.batch_norm(key, fwd.rank, input, m.weight, m.bias,
-                             m.running_mean if track else None,
-                             m.running_var if track else None, factor, m.eps)
+    return fwd.rv.batch_norm(
+        key,
+        fwd.rank,
+        input,
+        m.weight,
+        m.bias,
+        m.running_mean if track else None,
+        m.running_var if track else None,
+        factor,
+        m.eps,
+    )
 
 
 def _syncable(m: Module) -> bool:
@@ -247,9 +268,11 @@ def _syncable(m: Module) -> bool:
         return True
     if not _warned_subclass:
         _warned_subclass = True
-        warnings.warn(f"fastdp: {type(m).__name__} overrides SyncBatchNorm.forward; its replicas "
-                      "are not synchronised (they normalise with per-replica statistics)",
-                      stacklevel=4)
+        warnings.warn(
+            f"fastdp: {type(m).__name__} overrides SyncBatchNorm.forward; its replicas "
+            "are not synchronised (they normalise with per-replica statistics)",
+            stacklevel=4,
+        )
     return False
 
 
@@ -259,8 +282,11 @@ def _scan(replicas: Sequence[Module]) -> tuple[list[str], list[list[Module]], li
     Cached per replica set (cached replicas are scanned once); the cache holds modules weakly.
     """
     hit = _scan_cache.get(replicas[0])
-    if hit is not None and len(hit[0]) == len(replicas) and all(
-            ref() is r for ref, r in zip(hit[0], replicas)):
+    if (
+        hit is not None
+        and len(hit[0]) == len(replicas)
+        and all(ref() is r for ref, r in zip(hit[0], replicas))
+    ):
         names, sync_refs, cb_pos = hit[1]
         sync_bns = [[ref() for ref in refs] for refs in sync_refs]
         if all(m is not None for ms in sync_bns for m in ms):
@@ -271,8 +297,10 @@ def _scan(replicas: Sequence[Module]) -> tuple[list[str], list[list[Module]], li
     mods = [[m for _, m in named]] + [list(r.modules()) for r in replicas[1:]]
     names = [named[j][0] or "<root>" for j in sync_pos]
     sync_bns = [[ms[j] for j in sync_pos] for ms in mods]
-    _scan_cache[replicas[0]] = ([weakref.ref(r) for r in replicas],
-                                (names, [[weakref.ref(m) for m in ms] for ms in sync_bns], cb_pos))
+    _scan_cache[replicas[0]] = (
+        [weakref.ref(r) for r in replicas],
+        (names, [[weakref.ref(m) for m in ms] for ms in sync_bns], cb_pos),
+    )
     return names, sync_bns, [[(j, ms[j]) for j in cb_pos] for ms in mods]
 
 
@@ -287,8 +315,9 @@ def _callbacks(replicas: Sequence[Module], cb_pos: list[int]) -> list[list[tuple
 class _Prepared:
     """Context manager returned by ``prepare_replicas``; restores the replicas' forwards on exit."""
 
-    def __init__(self, installed: list[tuple[Module, _Forward]],
-                 concurrent: Sequence[Module] = ()) -> None:
+    def __init__(
+        self, installed: list[tuple[Module, _Forward]], concurrent: Sequence[Module] = ()
+    ) -> None:
         self.installed = installed
         self.concurrent = list(concurrent)
         require_concurrent(self.concurrent)  # see NOTE [ Replicas that must run at once ]

@@ -18,8 +18,15 @@ NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 BACKENDS = ["ext", "torch"]
 # The dtypes every copy-like op is tested over (bit-exact against its torch reference).
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.bool,
-          torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 
 onlyCUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 onlyMultiGPU = pytest.mark.skipif(NUM_GPUS < 2, reason="needs two distinct CUDA GPUs")
@@ -52,16 +59,18 @@ def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
 
 
-def run_step(module: torch.nn.Module, inputs: Sequence[Any],
-             loss: Callable[[Any], Any] | None = None
-             ) -> tuple[Any, list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
+def run_step(
+    module: torch.nn.Module, inputs: Sequence[Any], loss: Callable[[Any], Any] | None = None
+) -> tuple[Any, list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
     """Forward, backward of ``loss(out)`` (default: sum of the output); outputs, grads."""
     module.zero_grad(set_to_none=True)
     out = module(*inputs)
     value = loss(out) if loss is not None else out.float().sum()
     value.backward()
-    in_grads = [x.grad.clone() if isinstance(x, torch.Tensor) and x.grad is not None else None
-                for x in inputs]
+    in_grads = [
+        x.grad.clone() if isinstance(x, torch.Tensor) and x.grad is not None else None
+        for x in inputs
+    ]
     return out, in_grads, grads_of(module.module if hasattr(module, "module") else module)
 
 

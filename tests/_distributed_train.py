@@ -38,8 +38,14 @@ def main(out_path: str) -> None:
             global_loss /= dist.get_world_size()
         losses.append(global_loss.item())
     if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save({"state": fastdp.unwrap(model).state_dict(), "losses": losses,
-                    "wrapper": type(model).__name__}, out_path)
+        torch.save(
+            {
+                "state": fastdp.unwrap(model).state_dict(),
+                "losses": losses,
+                "wrapper": type(model).__name__,
+            },
+            out_path,
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
         # NOTE [ gloo threads at interpreter exit ]: destroy_process_group does not join gloo's

@@ -18,19 +18,29 @@ class LSTMHead(nn.Module):
 
 
 def mlp():
-    return nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 5))
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5)
+    )
 
 
 def cnn_bn():
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.Conv2d(8, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
 
 
 def transformer():
-    return nn.TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=32, dropout=0.0,
-                                      batch_first=True)
+    return nn.TransformerEncoderLayer(
+        d_model=16, nhead=4, dim_feedforward=32, dropout=0.0, batch_first=True
+    )
 
 
 # name -> (factory, input factory for a batch of b, whether BatchNorm makes outputs chunk-dependent)

@@ -76,15 +76,18 @@ def test_zero_size_devices_are_not_passed_to_replicate_or_parallel_apply():
     assert len(seen["replicate"]) == 2 and len(seen["apply"]) == 2
 
 
-@pytest.mark.parametrize("batch,weights,expected", [
-    (10, [1, 2, 1], [3, 5, 2]),  # quotas 2.5 / 5 / 2.5: the tie goes to the lower index
-    (10, [1, 1, 1], [4, 3, 3]),
-    (7, [0.5, 0.25, 0.25], [3, 2, 2]),  # quotas 3.5 / 1.75 / 1.75
-    (2, [1, 1, 1], [1, 1, 0]),  # a device may get 0 rows
-    (9, [3, 0, 1], [7, 0, 2]),
-    (0, [1, 2], [0, 0]),
-    (100, [0.1, 0.2, 0.7], [10, 20, 70]),  # exact, despite 0.1 + 0.2 != 0.3 in floats
-])
+@pytest.mark.parametrize(
+    "batch,weights,expected",
+    [
+        (10, [1, 2, 1], [3, 5, 2]),  # quotas 2.5 / 5 / 2.5: the tie goes to the lower index
+        (10, [1, 1, 1], [4, 3, 3]),
+        (7, [0.5, 0.25, 0.25], [3, 2, 2]),  # quotas 3.5 / 1.75 / 1.75
+        (2, [1, 1, 1], [1, 1, 0]),  # a device may get 0 rows
+        (9, [3, 0, 1], [7, 0, 2]),
+        (0, [1, 2], [0, 0]),
+        (100, [0.1, 0.2, 0.7], [10, 20, 70]),  # exact, despite 0.1 + 0.2 != 0.3 in floats
+    ],
+)
 def test_balanced_chunk_sizes_largest_remainder(batch, weights, expected):
     assert balanced_chunk_sizes(batch, weights) == expected
 

@@ -20,8 +20,9 @@ HAS_CUDA = torch.cuda.is_available()
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     suites = ["passthrough", "cpu-replicas", "overhead", "replicate", "module-build"]
-    doc = cli.main(["--tiny", "--no-progress", "--out", str(out), "--replicas", "2",
-                    "--suite", *suites])
+    doc = cli.main(
+        ["--tiny", "--no-progress", "--out", str(out), "--replicas", "2", "--suite", *suites]
+    )
     return out, doc
 
 
@@ -44,18 +45,32 @@ def test_bench_records_cover_every_cpu_suite_and_mode(tiny_run):
     recs = doc["records"]
     seen = {(r["suite"], r["mode"]) for r in recs}
     # passthrough needs a machine without CUDA (FastDataParallel(m) takes every GPU there)
-    passthrough = [] if HAS_CUDA else [("passthrough", "bare"), ("passthrough", "fastdp"),
-                                       ("passthrough", "torch_dp")]
-    for suite, mode in passthrough + [("cpu-replicas", "fastdp"),
-                        ("cpu-replicas", "fastdp_noext"), ("cpu-replicas", "dp_algo"),
-                        ("overhead", "model_chunks"), ("overhead", "fastdp"),
-                        ("replicate", "fastdp"), ("replicate", "dp_algo"),
-                        ("module-build", "without"), ("module-build", "with")]:
+    passthrough = (
+        []
+        if HAS_CUDA
+        else [("passthrough", "bare"), ("passthrough", "fastdp"), ("passthrough", "torch_dp")]
+    )
+    for suite, mode in passthrough + [
+        ("cpu-replicas", "fastdp"),
+        ("cpu-replicas", "fastdp_noext"),
+        ("cpu-replicas", "dp_algo"),
+        ("overhead", "model_chunks"),
+        ("overhead", "fastdp"),
+        ("replicate", "fastdp"),
+        ("replicate", "dp_algo"),
+        ("module-build", "without"),
+        ("module-build", "with"),
+    ]:
         assert (suite, mode) in seen, (suite, mode)
     timed = [r for r in recs if r.get("status") == "ok"]
     assert timed and all({"min_ms", "median_ms", "max_ms"} <= set(r["time_ms"]) for r in timed)
-    checked = [r for r in recs if r["suite"] == "cpu-replicas" and r["mode"] not in (
-        "bare", "floor") and r.get("status") != "unsupported"]
+    checked = [
+        r
+        for r in recs
+        if r["suite"] == "cpu-replicas"
+        and r["mode"] not in ("bare", "floor")
+        and r.get("status") != "unsupported"
+    ]
     assert checked and all("check" in r for r in checked)
     built = [r for r in recs if r["suite"] == "module-build" and r["mode"] == "with"]
     assert built and all(r["ratios"]["vs_without"] > 0 for r in built)
@@ -67,8 +82,11 @@ def test_bench_records_cover_every_cpu_suite_and_mode(tiny_run):
 
 def test_bench_compares_launch_strategies_against_the_floor(tiny_run):
     out, doc = tiny_run
-    recs = [r for r in doc["records"] if r["suite"] in ("cpu-replicas", "overhead")
-            and r.get("status") == "ok"]
+    recs = [
+        r
+        for r in doc["records"]
+        if r["suite"] in ("cpu-replicas", "overhead") and r.get("status") == "ok"
+    ]
     for suite in ("cpu-replicas", "overhead"):
         modes = {r["mode"] for r in recs if r["suite"] == suite}
         assert {"fastdp", "fastdp_threads", "fastdp_inline"} <= modes, (suite, modes)
@@ -96,28 +114,65 @@ def test_bench_writes_png_plots(tiny_run):
     assert "replicate.png" in pngs and "steps_cpu-replicas.png" in pngs
     assert "launch_x_floor.png" in pngs
     assert doc["meta"]["plots"]
+    from matplotlib.image import imread
+
+    for p in pngs:  # NOTE [ Plots a person reads ]
+        assert imread(str(out / p)).shape[1] <= 1600, p
 
 
 def test_gpu_suites_code_runs_on_cpu_devices_in_dry_run(tmp_path, monkeypatch):
     """Every line of the GPU suites runs (on CPU devices) even where no GPU exists."""
     monkeypatch.setattr(suites_gpu, "DRY_RUN", True)
-    doc = cli.main(["--tiny", "--gpu-dry-run", "--no-progress", "--no-plots", "--replicas", "2",
-                    "--out", str(tmp_path), "--suite", "gpu-comm", "gpu-replicate", "gpu-steps"])
+    doc = cli.main(
+        [
+            "--tiny",
+            "--gpu-dry-run",
+            "--no-progress",
+            "--no-plots",
+            "--replicas",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--suite",
+            "gpu-comm",
+            "gpu-replicate",
+            "gpu-steps",
+        ]
+    )
     by_suite = {r["suite"] for r in doc["records"]}
     assert {"gpu-comm", "gpu-replicate", "gpu-steps"} <= by_suite
     fast = [r for r in doc["records"] if r["mode"] in ("fastdp", "copy")]
     assert fast and all(r["status"] == "ok" for r in fast), [
-        (r["suite"], r.get("op"), r.get("error")) for r in fast if r["status"] != "ok"]
+        (r["suite"], r.get("op"), r.get("error")) for r in fast if r["status"] != "ok"
+    ]
 
 
 def test_compile_suite_records_compile_time_recompiles_and_floor_ratios(tmp_path):
     """The compile suite at its tiny size (one 64-wide MLP on 2 CPU replicas, inductor)."""
     pytest.importorskip("torch._dynamo")
-    doc = cli.main(["--tiny", "--no-progress", "--no-plots", "--replicas", "2", "--out",
-                    str(tmp_path), "--suite", "compile"])
+    doc = cli.main(
+        [
+            "--tiny",
+            "--no-progress",
+            "--no-plots",
+            "--replicas",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--suite",
+            "compile",
+        ]
+    )
     recs = {r["mode"]: r for r in doc["records"] if r["suite"] == "compile"}
-    assert set(recs) == {"floor_compiled", "fastdp_compiled", "fastdp_wrapper",
-                         "dp_algo_compiled", "floor", "fastdp", "torch_dp"}
+    assert set(recs) == {
+        "floor_compiled",
+        "fastdp_compiled",
+        "fastdp_wrapper",
+        "dp_algo_compiled",
+        "floor",
+        "fastdp",
+        "torch_dp",
+    }
     assert recs["torch_dp"]["status"] == "unsupported"
     for m in ("fastdp_compiled", "fastdp_wrapper", "dp_algo_compiled", "fastdp"):
         assert recs[m]["status"] == "ok", recs[m].get("error") or recs[m].get("check")
@@ -136,9 +191,17 @@ def test_torch_dp_without_cuda_is_checked_against_the_whole_batch():
 
     w = wl.catalogue("tiny")["resnet50"]
     model, args = wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
-    recs = time_modes(Settings(profile="tiny", repeats=1, max_total_s=0.5), suite="gpu-steps",
-                      w=w, model=model, args=args, devices=["cpu", "cpu"], n=2,
-                      ref_device="cpu", mode_list=("torch_dp", "fastdp"))
+    recs = time_modes(
+        Settings(profile="tiny", repeats=1, max_total_s=0.5),
+        suite="gpu-steps",
+        w=w,
+        model=model,
+        args=args,
+        devices=["cpu", "cpu"],
+        n=2,
+        ref_device="cpu",
+        mode_list=("torch_dp", "fastdp"),
+    )
     by_mode = {r["mode"]: r for r in recs}
     assert by_mode["torch_dp"]["status"] == "ok", by_mode["torch_dp"].get("check")
     assert by_mode["fastdp"]["status"] == "ok", by_mode["fastdp"].get("check")
@@ -151,10 +214,12 @@ def test_repeats_asked_for_are_all_timed():
     s = cli.settings("cpu", 7, (4,))
     assert (s.repeats, s.max_total_s) == (7, None)
     assert cli.settings("cpu", None, (4,)).max_total_s == 3.0
-    slow = timing.measure_many({"a": lambda: sum(range(20_000))}, repeats=7, warmup=1,
-                               max_total_s=s.max_total_s)
-    capped = timing.measure_many({"a": lambda: sum(range(20_000))}, repeats=7, warmup=1,
-                                 max_total_s=1e-9)
+    slow = timing.measure_many(
+        {"a": lambda: sum(range(20_000))}, repeats=7, warmup=1, max_total_s=s.max_total_s
+    )
+    capped = timing.measure_many(
+        {"a": lambda: sum(range(20_000))}, repeats=7, warmup=1, max_total_s=1e-9
+    )
     assert (slow["a"].repeats, capped["a"].repeats) == (7, 3)
 
 
@@ -165,4 +230,4 @@ def test_interleaved_rounds_rotate_which_function_runs_first():
     fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
     timing.measure_many(fns, repeats=3, warmup=1)
     rounds = order[-9:]  # after each function's warm-up and calibration calls
-    assert [rounds[i:i + 3] for i in (0, 3, 6)] == [list("abc"), list("bca"), list("cab")]
+    assert [rounds[i : i + 3] for i in (0, 3, 6)] == [list("abc"), list("bca"), list("cab")]

@@ -14,8 +14,16 @@ from fastdp import _backend
 
 def test_info_has_the_documented_keys():
     d = fastdp.info()
-    for key in ("version", "torch", "cuda", "built_with_cuda", "arch_list", "nccl", "gpus",
-                "backend"):
+    for key in (
+        "version",
+        "torch",
+        "cuda",
+        "built_with_cuda",
+        "arch_list",
+        "nccl",
+        "gpus",
+        "backend",
+    ):
         assert key in d
     assert d["version"] == fastdp.__version__ and d["torch"] == torch.__version__
     assert set(d["backend"]) >= {"plan", "scatter", "gather", "refresh", "reduce"}
@@ -28,8 +36,10 @@ def test_extension_is_built_and_loaded():
     assert fastdp.info()["backend"]["scatter"] == "extension"
 
 
-@pytest.mark.skipif(sys.platform != "linux" or shutil.which("readelf") is None,
-                    reason="reads the ELF dynamic section with readelf (Linux)")
+@pytest.mark.skipif(
+    sys.platform != "linux" or shutil.which("readelf") is None,
+    reason="reads the ELF dynamic section with readelf (Linux)",
+)
 def test_the_extension_links_the_processes_libstdcxx():
     """NOTE [ One libstdc++ ] in setup.py: a driver that linked libstdc++ statically (the GPU
     image's CXX wrapper) gave fastdp._C its own copy, and the first TORCH_CHECK message with a
@@ -37,13 +47,16 @@ def test_the_extension_links_the_processes_libstdcxx():
     if not _backend.loaded():
         pytest.skip(f"fastdp._C is not loaded: {_backend.load_error()}")
     so = _backend.ext().__file__
-    needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True,
-                            check=True).stdout
+    needed = subprocess.run(
+        ["readelf", "-d", so], capture_output=True, text=True, check=True
+    ).stdout
     assert "[libstdc++.so" in needed, needed
-    syms = subprocess.run(["readelf", "-W", "--dyn-syms", so], capture_output=True, text=True,
-                          check=True).stdout
-    assert "_ZNSo9_M_insertImEERSoT_" not in [ln.split()[-1] for ln in syms.splitlines()
-                                              if " FUNC " in ln and " UND " not in ln]
+    syms = subprocess.run(
+        ["readelf", "-W", "--dyn-syms", so], capture_output=True, text=True, check=True
+    ).stdout
+    assert "_ZNSo9_M_insertImEERSoT_" not in [
+        ln.split()[-1] for ln in syms.splitlines() if " FUNC " in ln and " UND " not in ln
+    ]
 
 
 def test_expected_build_flavour():
@@ -60,14 +73,16 @@ def test_expected_build_flavour():
 def test_disable_ext_env_forces_the_torch_path():
     code = "import fastdp, json; print(json.dumps(fastdp.info()['backend']))"
     env = dict(os.environ, FASTDP_DISABLE_EXT="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert '"scatter": "torch"' in out
 
 
 def test_python_m_fastdp_info_prints_readably():
-    out = subprocess.run([sys.executable, "-m", "fastdp.info"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fastdp.info"], capture_output=True, text=True, check=True
+    )
     assert out.stdout.startswith("fastdp ") and "built_with_cuda" in out.stdout
     assert "RuntimeWarning" not in out.stderr
 
@@ -81,17 +96,25 @@ def test_broken_build_warns_once_and_falls_back(tmp_path):
         if name.endswith(".py"):
             (pkg / name).write_text(open(os.path.join(src, name)).read())
     (pkg / "_C.py").write_text("raise ImportError('simulated broken build')\n")
-    code = ("import warnings, torch, fastdp\n"
-            "from fastdp import FastDataParallel\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n"
-            "    m = FastDataParallel(torch.nn.Linear(2, 2), device_ids=['cpu'] * 2)\n"
-            "    m(torch.ones(4, 2)); m(torch.ones(4, 2))\n"
-            "msgs = [str(x.message) for x in w if 'could not be loaded' in str(x.message)]\n"
-            "print(len(msgs), msgs[0])\n")
+    code = (
+        "import warnings, torch, fastdp\n"
+        "from fastdp import FastDataParallel\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    m = FastDataParallel(torch.nn.Linear(2, 2), device_ids=['cpu'] * 2)\n"
+        "    m(torch.ones(4, 2)); m(torch.ones(4, 2))\n"
+        "msgs = [str(x.message) for x in w if 'could not be loaded' in str(x.message)]\n"
+        "print(len(msgs), msgs[0])\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, cwd=tmp_path).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    ).stdout
     assert out.startswith("1 ") and "simulated broken build" in out
 
 
@@ -100,12 +123,15 @@ def test_a_stale_build_missing_a_function_counts_as_not_loaded() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, types; fake = types.ModuleType('fastdp._C'); "
-            "fake.build_info = lambda: []; sys.modules['fastdp._C'] = fake; "
-            "from fastdp import _backend; import fastdp; "
-            "assert _backend.ext() is None and not _backend.loaded(); "
-            "print(_backend.load_error())")
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
-                       text=True, timeout=120)
+    code = (
+        "import sys, types; fake = types.ModuleType('fastdp._C'); "
+        "fake.build_info = lambda: []; sys.modules['fastdp._C'] = fake; "
+        "from fastdp import _backend; import fastdp; "
+        "assert _backend.ext() is None and not _backend.loaded(); "
+        "print(_backend.load_error())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stale build of fastdp._C lacks scatter_chunks, gather_into" in r.stdout

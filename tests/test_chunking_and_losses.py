@@ -90,6 +90,7 @@ def test_dropped_rows_get_no_gradient_as_in_dataparallel():
 
 # ---- scalar_outputs --------------------------------------------------------------------------
 
+
 def _loss_model() -> nn.Module:
     torch.manual_seed(0)
     net = nn.Linear(4, 1)

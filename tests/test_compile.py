@@ -48,8 +48,11 @@ def compiles():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.external_utils import wrap_inline
 
-    codes = [Net.forward.__code__, wrap_inline(make).__code__,  # wrap_inline: torch.nn classes
-             fastdp.FastDataParallel.forward.__code__]
+    codes = [
+        Net.forward.__code__,
+        wrap_inline(make).__code__,  # wrap_inline: torch.nn classes
+        fastdp.FastDataParallel.forward.__code__,
+    ]
     entries = sum(len(_debug_get_cache_entry_list(c)) for c in codes)
     return entries + counters["stats"]["unique_graphs"]
 
@@ -59,8 +62,9 @@ class Net(nn.Module):
 
     def __init__(self, width=32):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, width),
-                                  nn.GELU(), nn.Linear(width, 4))
+        self.body = nn.Sequential(
+            nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 4)
+        )
         self.scale = 1.0
 
     def forward(self, x):
@@ -220,8 +224,9 @@ def test_compiling_the_wrapper_compiles_every_replica_without_warnings(form, rec
 
 
 def test_torch_compile_wrapper_fullgraph_names_the_form_that_works():
-    dp = torch.compile(fastdp.FastDataParallel(make(), ["cpu"] * 2), backend="eager",
-                       fullgraph=True)
+    dp = torch.compile(
+        fastdp.FastDataParallel(make(), ["cpu"] * 2), backend="eager", fullgraph=True
+    )
     with pytest.raises(Exception, match=r"model\.compile\(fullgraph=True\)"):
         dp(torch.randn(8, 16))
 
@@ -287,8 +292,9 @@ def test_compiled_replica_tensors_are_static_graph_inputs():
 def test_compiled_replicas_run_in_order_whatever_the_launch(launch, compile_it):
     """NOTE [ Compiled replicas run in order ]: dynamo's guards are not thread-safe."""
     net = make()
-    dp = fastdp.FastDataParallel(torch.compile(net, backend="eager") if compile_it else net,
-                                 ["cpu"] * 2, launch=launch)
+    dp = fastdp.FastDataParallel(
+        torch.compile(net, backend="eager") if compile_it else net, ["cpu"] * 2, launch=launch
+    )
     for _ in range(9):  # past auto's trial steps
         dp(torch.randn(8, 16)).sum().backward()
     rs = next(iter(dp._replica_sets.values()))

@@ -45,8 +45,9 @@ def test_forward_returns_scattered_with_chunks_and_devices():
     assert out.devices == [torch.device("cpu")] * 3 and out.dim == 0
 
 
-@pytest.mark.parametrize("batch,n,sizes", [(2, 3, [1, 1]), (30, 8, [4] * 7 + [2]),
-                                           (10, 8, [2] * 5), (0, 2, [0, 0])])
+@pytest.mark.parametrize(
+    "batch,n,sizes", [(2, 3, [1, 1]), (30, 8, [4] * 7 + [2]), (10, 8, [2] * 5), (0, 2, [0, 0])]
+)
 def test_scattered_chunk_sizes_follow_torch_chunk(batch, n, sizes):
     out = fastdp.FastDataParallel(_net(), ["cpu"] * n, gather_output=False)(torch.randn(batch, 6))
     assert out.chunk_sizes == sizes and [len(o) for o in out] == sizes
@@ -56,8 +57,9 @@ def test_scattered_gather_equals_gathered_forward_exactly():
     net = _net()
     x = _data()[0]
     gathered = fastdp.FastDataParallel(net, ["cpu"] * 3)(x)
-    assert torch.equal(fastdp.FastDataParallel(net, ["cpu"] * 3, gather_output=False)(x).gather(),
-                       gathered)
+    assert torch.equal(
+        fastdp.FastDataParallel(net, ["cpu"] * 3, gather_output=False)(x).gather(), gathered
+    )
 
 
 def test_scattered_gather_keeps_nested_structure():
@@ -79,12 +81,15 @@ def test_scattered_gather_keeps_nested_structure():
     assert torch.equal(got["pair"].aux, want["pair"].aux)
 
 
-@pytest.mark.parametrize("loss_fn,reduction", [
-    (nn.CrossEntropyLoss(), "mean"),
-    (nn.CrossEntropyLoss(reduction="sum"), "sum"),
-    (F.cross_entropy, None),
-    (nn.CrossEntropyLoss(label_smoothing=0.1), "mean"),
-])
+@pytest.mark.parametrize(
+    "loss_fn,reduction",
+    [
+        (nn.CrossEntropyLoss(), "mean"),
+        (nn.CrossEntropyLoss(reduction="sum"), "sum"),
+        (F.cross_entropy, None),
+        (nn.CrossEntropyLoss(label_smoothing=0.1), "mean"),
+    ],
+)
 @pytest.mark.parametrize("split", [{}, {"chunk_sizes": [8, 0, 3]}, {"balance": [1, 3, 1]}])
 def test_criterion_loss_and_grads_equal_single_device(loss_fn, reduction, split):
     fdp, ref = _pair(_net(), **split)
@@ -104,8 +109,9 @@ def test_criterion_mean_is_weighted_by_chunk_size():
     x, y = _data()
     out = fdp(x)
     loss = fastdp.ParallelCriterion(nn.MSELoss())(out, F.one_hot(y, 4).float())
-    unweighted = sum(F.mse_loss(o, F.one_hot(t, 4).float())
-                     for o, t in zip(out, y.split([8, 1, 1]))) / 3
+    unweighted = (
+        sum(F.mse_loss(o, F.one_hot(t, 4).float()) for o, t in zip(out, y.split([8, 1, 1]))) / 3
+    )
     want = F.mse_loss(ref(x), F.one_hot(y, 4).float())
     assert_close(loss, want)
     assert not torch.allclose(unweighted, want)
@@ -118,8 +124,12 @@ def test_criterion_batchmean_kl_div():
     kl = nn.KLDivLoss(reduction="batchmean")
     loss = fastdp.ParallelCriterion(kl)(fdp(x), target)
     want = kl(torch.log_softmax(ref(x), 1), target)
-    assert_close(fastdp.ParallelCriterion(lambda o, t: kl(torch.log_softmax(o, 1), t),
-                                          reduction="batchmean")(fdp(x), target), want)
+    assert_close(
+        fastdp.ParallelCriterion(
+            lambda o, t: kl(torch.log_softmax(o, 1), t), reduction="batchmean"
+        )(fdp(x), target),
+        want,
+    )
     assert loss.dim() == 0
 
 
@@ -134,8 +144,9 @@ def test_criterion_none_returns_scattered_losses():
 
 def test_criterion_targets_and_kwargs_nested():
     def loss_fn(out, targets, scale=None, w=1.0):
-        return (F.cross_entropy(out, targets["y"], reduction="sum") * w
-                + (out * scale[:, None]).sum())
+        return (
+            F.cross_entropy(out, targets["y"], reduction="sum") * w + (out * scale[:, None]).sum()
+        )
 
     fdp, ref = _pair(_net())
     x, y = _data()
@@ -150,16 +161,26 @@ def test_criterion_targets_and_kwargs_nested():
 
 
 def test_criterion_never_gathers_the_output(monkeypatch):
-    fdp, _ = _pair(_net())
+    # CPU replicas gather with torch.cat, not through Gather: the proof is what loss_fn receives,
+    # each replica's own output object (no gathered copy of it, whole or re-split).
+    fdp, ref = _pair(_net())
     x, y = _data()
     out = fdp(x)
+    seen = []
 
-    def no_gather(*args, **kwargs):
-        raise AssertionError("the criterion gathered the full output")
+    def loss_fn(o, t):
+        seen.append(o)
+        return F.cross_entropy(o, t)
 
-    monkeypatch.setattr(_functions.Gather, "forward", staticmethod(no_gather))
-    loss = fastdp.ParallelCriterion(nn.CrossEntropyLoss())(out, y)
-    loss.backward()
+    def fail(*args, **kwargs):
+        pytest.fail("the criterion gathered the output")
+
+    monkeypatch.setattr(fastdp.Scattered, "gather", fail)
+    monkeypatch.setattr(fastdp.criterion, "gather", fail)
+    monkeypatch.setattr(_functions.Gather, "forward", staticmethod(fail))
+    loss = fastdp.ParallelCriterion(loss_fn)(out, y)
+    assert len(seen) == 3 and all(a is b for a, b in zip(seen, out.outputs))
+    assert_close(loss, F.cross_entropy(ref(x), y))
 
 
 def test_loss_module_with_buffers_is_replicated():

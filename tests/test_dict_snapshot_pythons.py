@@ -99,19 +99,42 @@ def test_dict_snapshot_keeps_its_contract_under_each_python(python, tmp_path):
     if cxx is None:
         pytest.skip("no C++ compiler")
     info = subprocess.run(
-        [python, "-c", "import sysconfig as s; print(s.get_paths()['include']); "
-                       "print(s.get_config_var('EXT_SUFFIX'))"],
-        capture_output=True, text=True, timeout=60)
+        [
+            python,
+            "-c",
+            "import sysconfig as s; print(s.get_paths()['include']); "
+            "print(s.get_config_var('EXT_SUFFIX'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     include, suffix = info.stdout.split()
     if not os.path.exists(os.path.join(include, "Python.h")):
         pytest.skip(f"{python} has no headers")
     (tmp_path / "mod.cpp").write_text(_MODULE)
     build = subprocess.run(
-        [cxx, "-O1", "-shared", "-fPIC", "-std=c++17", "-Werror=deprecated-declarations",
-         f"-I{include_paths()[0]}", f"-I{include}", f"-I{CSRC}", str(tmp_path / "mod.cpp"),
-         str(CSRC / "dict_snapshot.cpp"), "-o", str(tmp_path / f"_ds{suffix}")],
-        capture_output=True, text=True, timeout=300)
+        [
+            cxx,
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-std=c++17",
+            "-Werror=deprecated-declarations",
+            f"-I{include_paths()[0]}",
+            f"-I{include}",
+            f"-I{CSRC}",
+            str(tmp_path / "mod.cpp"),
+            str(CSRC / "dict_snapshot.cpp"),
+            "-o",
+            str(tmp_path / f"_ds{suffix}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([python, "-c", _CHECK, str(tmp_path)], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [python, "-c", _CHECK, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]

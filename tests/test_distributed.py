@@ -32,8 +32,12 @@ def test_wrap_is_fastdataparallel_in_one_process(single_process):
 
 
 def test_wrap_ignores_ddp_only_keywords_in_one_process(single_process):
-    model = fastdp.wrap(nn.Linear(3, 2), device_ids=["cpu"] * 2, find_unused_parameters=True,
-                        broadcast_buffers=False)
+    model = fastdp.wrap(
+        nn.Linear(3, 2),
+        device_ids=["cpu"] * 2,
+        find_unused_parameters=True,
+        broadcast_buffers=False,
+    )
     assert isinstance(model, fastdp.FastDataParallel)
 
 
@@ -85,8 +89,11 @@ def _free_port():
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU run of this test, also on GPU machines
@@ -97,12 +104,32 @@ def test_torchrun_ddp_matches_single_process_fastdataparallel(tmp_path):
     script = str(HERE / "_distributed_train.py")
     single, multi = tmp_path / "single.pt", tmp_path / "ddp.pt"
     runs = [
-        subprocess.Popen([sys.executable, script, str(single)], env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                          "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                          "--master_port", str(_free_port()), script, str(multi)],
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
+        subprocess.Popen(
+            [sys.executable, script, str(single)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(_free_port()),
+                script,
+                str(multi),
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        ),
     ]
     for p in runs:
         try:

@@ -68,16 +68,20 @@ def test_doctor_fails_on_a_wrong_byte_naming_the_check_and_the_switch(monkeypatc
 
 def test_doctor_runs_as_a_module_with_the_extension_disabled() -> None:
     env = {"FASTDP_DISABLE_EXT": "1"}
-    r = subprocess.run([sys.executable, "-m", "fastdp.doctor", "-k", "cpu"], capture_output=True,
-                       text=True, timeout=300, env={**__import__("os").environ, **env})
+    r = subprocess.run(
+        [sys.executable, "-m", "fastdp.doctor", "-k", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, **env},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "RuntimeWarning" not in r.stderr  # fastdp/__init__.py does not import it first
     assert "SKIP  scatter pageable -> cpu" in r.stdout and "FASTDP_DISABLE_EXT=1" in r.stdout
     assert "PASS  training parity cpu" in r.stdout
 
 
-def test_kernel_checks_name_their_cases_pass_on_the_cpu_and_skip_gpu_ones(tmp_path,
-                                                                          capsys) -> None:
+def test_kernel_checks_name_their_cases_pass_on_the_cpu_and_skip_gpu_ones(tmp_path, capsys) -> None:
     out = tmp_path / "doctor.json"
     assert main(["-k", "kernels", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -94,16 +98,21 @@ def test_kernel_checks_name_their_cases_pass_on_the_cpu_and_skip_gpu_ones(tmp_pa
         assert statuses["kernels gather cpu -> cpu"][0] == "PASS"
         assert statuses["kernels scatter pageable -> cpu"][0] == "PASS"
     if not torch.cuda.is_available():
-        gpu = {n: v for n, v in statuses.items() if "cpu -> cpu" not in n
-               and "pageable -> cpu" not in n}
+        gpu = {
+            n: v
+            for n, v in statuses.items()
+            if "cpu -> cpu" not in n and "pageable -> cpu" not in n
+        }
         assert all(s == "SKIP" and why for s, why in gpu.values()), gpu
 
 
 def test_quick_kernel_cases_are_small() -> None:
     report = fastdp.doctor(["kernels gather cpu", "kernels scatter pageable -> cpu"], quick=True)
     assert report["quick"] and "float32 (4099,)" in report["kernel_cases"]
-    assert [c["name"] for c in report["checks"]] == ["kernels scatter pageable -> cpu",
-                                                     "kernels gather cpu -> cpu"]
+    assert [c["name"] for c in report["checks"]] == [
+        "kernels scatter pageable -> cpu",
+        "kernels gather cpu -> cpu",
+    ]
 
 
 class _GatherFlipsAByte(_FlipsAByte):

@@ -38,6 +38,7 @@ def _rs(fdp: FastDataParallel) -> ReplicaSet:
 
 # ---- bucket assignment -----------------------------------------------------------------------
 
+
 def test_buckets_fill_in_reverse_order_per_dtype_with_a_small_first_bucket():
     mb = 2**20
     ts = [torch.empty(mb // 4) for _ in range(6)] + [torch.empty(8, dtype=torch.float64)]
@@ -83,14 +84,14 @@ def test_bucket_cap_mb_must_be_positive():
 
 # ---- early reduction -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["distinct", "alias"])
 def test_buckets_reduce_while_earlier_layers_are_still_in_backward(monkeypatch, mode):
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if mode == "distinct" else "0")
     model = _mlp(6, width=256)  # 257 KiB per layer: a 1 MiB cap gives >= 3 buckets
     fdp = FastDataParallel(model, device_ids=["cpu"] * 4, bucket_cap_mb=0.5)
     seen = []
-    model[0].register_full_backward_pre_hook(
-        lambda m, g: seen.append(fdp.comm_stats()["reduces"]))
+    model[0].register_full_backward_pre_hook(lambda m, g: seen.append(fdp.comm_stats()["reduces"]))
     fdp(torch.randn(8, 256, requires_grad=True)).sum().backward()
     stats = fdp.comm_stats()
     assert stats["buckets"] >= 3 and stats["reduces"] == stats["buckets"]
@@ -137,16 +138,20 @@ def test_the_native_bucket_node_sums_as_reduce_add_does(n):
     """The extension's bucket node against the Python one: bit-identical gradients, in row
     order, frozen sources left alone, unused outputs as zeros."""
     torch.manual_seed(0)
-    src = [torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=False),
-           torch.randn(2, 2, dtype=torch.float64, requires_grad=True)]
+    src = [
+        torch.randn(3, 4, requires_grad=True),
+        torch.randn(5, requires_grad=False),
+        torch.randn(2, 2, dtype=torch.float64, requires_grad=True),
+    ]
     grads = {}
     for native in (True, False):
         for s in src:
             s.grad = None
         rows = [[s.detach().clone() for s in src] for _ in range(n)]
         r = fastdp.reducer
-        link = r.BucketLink(0, src, torch.device("cpu"), engine.new_stats(), r.Pending(),
-                            r.BucketGroup([src]))
+        link = r.BucketLink(
+            0, src, torch.device("cpu"), engine.new_stats(), r.Pending(), r.BucketGroup([src])
+        )
         with torch.enable_grad():
             fastdp.reducer.link_bucket(link, rows, src, native=native)
         outs = [rows[j][k] * (j + 1.5) for j in range(n) for k in (0, 2)]  # row 0's k=1 unused
@@ -224,8 +229,11 @@ class _MixedGrads(nn.Module):
         w = self.w if x[0, 0] > 0 else self.w.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         out = (x[:, 1:] @ w.reshape(2, 12)[:, :4].T).sum(1)
         out = out + (x[:, 1:2].double() * self.d).sum(1).float()
-        return out + (x[:, 2:3].half() * self.h).sum(1).float() + (
-            x[:, 3:4].bfloat16() * self.bf).sum(1).float()
+        return (
+            out
+            + (x[:, 2:3].half() * self.h).sum(1).float()
+            + (x[:, 3:4].bfloat16() * self.bf).sum(1).float()
+        )
 
 
 @pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
@@ -241,6 +249,7 @@ def test_the_native_nodes_cpu_sum_matches_the_python_node_for_every_dtype_and_la
 
 
 # ---- parity of distinct replicas with the plain module on the same chunks ---------------------
+
 
 class _Net(nn.Module):
     def __init__(self) -> None:
@@ -374,6 +383,7 @@ def test_no_sync_accumulates_on_distinct_replicas(distinct, backend):
 
 # ---- fastdp.comm on the engine ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_broadcast_coalesced_is_bit_exact_in_small_buckets(dtype):
     ts = [torch.testing.make_tensor(s, dtype=dtype, device="cpu") for s in [(3, 4), (5,), (2, 2)]]
@@ -395,8 +405,10 @@ def test_broadcast_coalesced_needs_a_device():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
 def test_reduce_add_coalesced_sums_in_list_order(dtype):
-    rows = [[torch.testing.make_tensor(s, dtype=dtype, device="cpu") for s in [(3, 3), (7,)]]
-            for _ in range(3)]
+    rows = [
+        [torch.testing.make_tensor(s, dtype=dtype, device="cpu") for s in [(3, 3), (7,)]]
+        for _ in range(3)
+    ]
     got = comm.reduce_add_coalesced(rows, "cpu", buffer_size=8)
     for k in range(2):
         assert torch.equal(got[k], rows[0][k] + rows[1][k] + rows[2][k])
@@ -410,6 +422,7 @@ def test_reduce_add_coalesced_handles_sparse_tensors():
 
 
 # ---- two distinct GPUs (skip here) -------------------------------------------------------------
+
 
 @onlyMultiGPU
 def test_two_gpu_refresh_and_reduce_match_the_plain_module():
@@ -434,8 +447,7 @@ def test_two_gpu_buckets_reduce_before_backward_ends():
     model = _mlp(6, width=256).cuda(0)
     fdp = FastDataParallel(model, device_ids=[0, 1], bucket_cap_mb=0.5)
     seen = []
-    model[0].register_full_backward_pre_hook(
-        lambda m, g: seen.append(fdp.comm_stats()["reduces"]))
+    model[0].register_full_backward_pre_hook(lambda m, g: seen.append(fdp.comm_stats()["reduces"]))
     fdp(torch.randn(8, 256, device="cuda:0")).sum().backward()
     assert seen and min(seen) >= 1
 
@@ -496,21 +508,33 @@ def test_the_cuda_transport_is_torchs_one_call_per_bucket(monkeypatch):
     import pathlib
 
     calls = []
-    monkeypatch.setattr(engine.torch_comm, "broadcast",
-                        lambda src, out: calls.append(("broadcast", len(out))))
-    monkeypatch.setattr(engine.torch_comm, "reduce_add",
-                        lambda flats, dest: calls.append(("reduce", len(flats))) or flats[0])
+    monkeypatch.setattr(
+        engine.torch_comm, "broadcast", lambda src, out: calls.append(("broadcast", len(out)))
+    )
+    monkeypatch.setattr(
+        engine.torch_comm,
+        "reduce_add",
+        lambda flats, dest: calls.append(("reduce", len(flats))) or flats[0],
+    )
     src = torch.ones(10)
     engine._CudaTransport.broadcast(src, [torch.empty(10), torch.empty(10)])
+
     class OnGpu:  # what the transport reads of a flat on cuda:0 (no GPU here)
         device, layout, dtype = torch.device("cuda", 0), torch.strided, torch.float32
 
     engine._CudaTransport.reduce([OnGpu()] * 3, torch.device("cuda", 0))
     assert calls == [("broadcast", 2), ("reduce", 3)]
     assert engine.transport_for([torch.device("cuda", 0)] * 2) is engine._CudaTransport
-    r = subprocess.run([sys.executable, "-c", "import torch, fastdp.engine as e; "
-                        "print(e.torch_comm.broadcast.__module__)"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, fastdp.engine as e; print(e.torch_comm.broadcast.__module__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.stdout.strip() == "torch.nn.parallel.comm", r.stderr
     root = pathlib.Path(__file__).resolve().parents[1]
     assert not list(root.glob("csrc/**/nccl*")), "an NCCL communicator of fastdp's own"

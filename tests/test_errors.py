@@ -43,9 +43,11 @@ def test_replica_exception_of_custom_type(backend):
 def test_module_on_wrong_device_keeps_dataparallels_message(backend):
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     fdp = FastDataParallel(m, device_ids=["cpu"] * 2)
-    with pytest.raises(RuntimeError,
-                       match=r"^module must have its parameters and buffers on device "
-                       r"cpu \(device_ids\[0\]\) but found one of them on device: meta$"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^module must have its parameters and buffers on device "
+        r"cpu \(device_ids\[0\]\) but found one of them on device: meta$",
+    ):
         fdp(torch.ones(4, 2))
 
 
@@ -66,8 +68,10 @@ def test_unreplicatable_script_modules_keep_dataparallels_message(backend, monke
 
     monkeypatch.setattr(rep, "_replicatable_module", lambda module: False)
     fdp = FastDataParallel(nn.Linear(2, 2), device_ids=["cpu"] * 2)
-    with pytest.raises(RuntimeError, match="^Cannot replicate network where python modules are "
-                       "children of ScriptModule$"):
+    with pytest.raises(
+        RuntimeError,
+        match="^Cannot replicate network where python modules are children of ScriptModule$",
+    ):
         fdp(torch.ones(4, 2))
 
 
@@ -75,9 +79,11 @@ def test_lazy_modules_must_be_initialised_first(backend):
     fdp = FastDataParallel(nn.Sequential(nn.LazyLinear(3)), device_ids=["cpu"] * 2)
     # nn.DataParallel raises ValueError("Attempted to use an uninitialized parameter ...");
     # fastdp keeps that type and text and adds lazy.py's explanation.
-    with pytest.raises(ValueError,
-                       match="Attempted to use an uninitialized parameter.*Modules with "
-                       "uninitialized parameters can't be used with `DataParallel`. Run a dummy"):
+    with pytest.raises(
+        ValueError,
+        match="Attempted to use an uninitialized parameter.*Modules with "
+        "uninitialized parameters can't be used with `DataParallel`. Run a dummy",
+    ):
         fdp(torch.ones(4, 5))
 
 

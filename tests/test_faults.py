@@ -28,7 +28,6 @@ pytestmark = pytest.mark.usefixtures("launch", "backend")
 CPU4 = ["cpu"] * 4
 
 
-
 class Faulty(nn.Module):
     """A linear layer whose forward can raise in one replica or sleep in all of them.
 

@@ -29,8 +29,10 @@ TINY = 1e-6  # bucket_cap_mb: one tensor per bucket
 
 def _pair(net: nn.Module, n: int = 2, **kw) -> tuple[FastDataParallel, FastDataParallel]:
     """The persistent wrapper and DataParallel's algorithm, each over its own copy of ``net``."""
-    return (FastDataParallel(copy.deepcopy(net), ["cpu"] * n, **kw),
-            FastDataParallel(copy.deepcopy(net), ["cpu"] * n, persistent=False, **kw))
+    return (
+        FastDataParallel(copy.deepcopy(net), ["cpu"] * n, **kw),
+        FastDataParallel(copy.deepcopy(net), ["cpu"] * n, persistent=False, **kw),
+    )
 
 
 def _grads(m: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -47,8 +49,14 @@ def _assert_same(a: FastDataParallel, b: FastDataParallel) -> None:
         torch.testing.assert_close(x, y, msg=k)
 
 
-def _train(pair, steps: int, batch: int = 8, width: int = 4, lr: float = 0.1,
-           loss=lambda out: out.pow(2).sum()) -> None:
+def _train(
+    pair,
+    steps: int,
+    batch: int = 8,
+    width: int = 4,
+    lr: float = 0.1,
+    loss=lambda out: out.pow(2).sum(),
+) -> None:
     """``steps`` SGD steps on both wrappers; outputs, gradients and states must agree."""
     opts = [torch.optim.SGD(w.parameters(), lr=lr) for w in pair]
     torch.manual_seed(1)
@@ -67,6 +75,7 @@ def _train(pair, steps: int, batch: int = 8, width: int = 4, lr: float = 0.1,
 
 
 # --- what a forward does to its replica ------------------------------------------------------
+
 
 class MaxNorm(nn.Module):
     """braindecode's max-norm layers: the weight renormalised through ``.data`` in forward."""
@@ -151,6 +160,7 @@ def test_in_place_parameter_write_in_forward(storage):
 
 # --- how backward is called --------------------------------------------------------------------
 
+
 class Three(nn.Module):
     def __init__(self):
         super().__init__()
@@ -204,6 +214,7 @@ def test_grad_then_backward_in_one_step(cap):
 
 # --- no_sync ----------------------------------------------------------------------------------
 
+
 def _micro_steps(w: FastDataParallel, xs, between=None) -> None:
     with w.no_sync():
         for i, x in enumerate(xs[:-1]):
@@ -252,6 +263,7 @@ def test_no_sync_sees_originals_edited_between_micro_steps(edit):
 
 
 # --- concurrency and saving -------------------------------------------------------------------
+
 
 class Remembers(nn.Module):
     def __init__(self):
@@ -305,6 +317,7 @@ def test_saving_the_replicas():
 
 
 # --- memory and layouts -----------------------------------------------------------------------
+
 
 class ConvNet(nn.Module):
     def __init__(self):

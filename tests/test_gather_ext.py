@@ -27,7 +27,6 @@ onlyMultiGPU = pytest.mark.skipif(
 )
 
 
-
 def make(shape, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
@@ -49,11 +48,15 @@ LAYOUTS = {
     "contiguous": (lambda dt, d, k: make(_shape((4, 6), d, k + 1), dt, k), [0, 1, -1]),
     "one_element": (lambda dt, d, k: make((1,), dt, k), [0, -1]),
     "zero_size": (lambda dt, d, k: make(_shape((0, 3), d, k), dt, k), [0, 1, -1]),
-    "transposed": (lambda dt, d, k: make(_shape((5, 4), d, k + 1), dt, k).t().contiguous().t(),
-                   [0, 1, -1]),
+    "transposed": (
+        lambda dt, d, k: make(_shape((5, 4), d, k + 1), dt, k).t().contiguous().t(),
+        [0, 1, -1],
+    ),
     "sliced": (lambda dt, d, k: make(_shape((4, 9), d, k + 1, 3), dt, k)[:, ::3], [0, 1, -1]),
-    "channels_last": (lambda dt, d, k: _cl(make(_shape((2, 3, 4, 5), d, k + 1), dt, k)),
-                      [0, 1, -1]),
+    "channels_last": (
+        lambda dt, d, k: _cl(make(_shape((2, 3, 4, 5), d, k + 1), dt, k)),
+        [0, 1, -1],
+    ),
 }
 
 
@@ -115,8 +118,15 @@ def test_gather_cpu_preserves_channels_last(dim):
 
 AMBIGUOUS = [  # contiguous fast path vs torch.cat's memory format rules: NOTE [ Contiguous cat
     # output without the meta device ] in csrc/copy_layout.cpp
-    ((2, 1, 3, 3), False), ((2, 1, 3, 3), True), ((2, 3, 1, 1), False), ((2, 3, 1, 1), True),
-    ((1, 1, 1, 1), False), ((2, 1, 1, 3), True), ((4,), False), ((0, 3), False), ((3, 0), False),
+    ((2, 1, 3, 3), False),
+    ((2, 1, 3, 3), True),
+    ((2, 3, 1, 1), False),
+    ((2, 3, 1, 1), True),
+    ((1, 1, 1, 1), False),
+    ((2, 1, 1, 3), True),
+    ((4,), False),
+    ((0, 3), False),
+    ((3, 0), False),
 ]
 
 
@@ -170,8 +180,9 @@ def test_gather_cpu_output_is_fresh_memory():
 
 def test_gather_rejects_mixed_dtypes():
     with pytest.raises(RuntimeError, match=r"gather_into: expected every tensor to have dtype"):
-        _C.gather_into([torch.zeros(2), torch.zeros(2, dtype=torch.float64)], 0,
-                       torch.device("cpu"))
+        _C.gather_into(
+            [torch.zeros(2), torch.zeros(2, dtype=torch.float64)], 0, torch.device("cpu")
+        )
 
 
 def test_gather_rejects_empty_list():
@@ -263,8 +274,10 @@ def test_comm_gather_extension_and_torch_paths_agree(backend):
 
     ts = [_cl(make((k + 2, 3, 4, 5), torch.float32, k)) for k in range(3)]
     assert_same(comm.gather(ts, 0, "cpu"), torch.cat(ts, 0))
-    assert_same(comm.gather([t.t() for t in [make((3, 2), torch.bool, 0)] * 2], 1, -1),
-                torch.cat([make((3, 2), torch.bool, 0).t()] * 2, 1))
+    assert_same(
+        comm.gather([t.t() for t in [make((3, 2), torch.bool, 0)] * 2], 1, -1),
+        torch.cat([make((3, 2), torch.bool, 0).t()] * 2, 1),
+    )
 
 
 def test_comm_gather_mixed_dtypes_take_the_torch_path(backend):

@@ -84,17 +84,24 @@ def test_default_archs_compile_with_this_nvcc(tmp_path, monkeypatch: pytest.Monk
     from torch.utils.cpp_extension import _get_cuda_arch_flags
 
     nvcc = _nvcc()
-    release = re.search(r"release (\d+\.\d+)", subprocess.run(
-        [nvcc, "--version"], capture_output=True, text=True).stdout).group(1)
+    release = re.search(
+        r"release (\d+\.\d+)",
+        subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout,
+    ).group(1)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", default_archs(release))
     src = tmp_path / "k.cu"
     src.write_text("__global__ void k(float* x) { x[threadIdx.x] += 1.f; }\n")
-    r = subprocess.run([nvcc, "-c", str(src), "-o", str(tmp_path / "k.o"),
-                        *_get_cuda_arch_flags()], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [nvcc, "-c", str(src), "-o", str(tmp_path / "k.o"), *_get_cuda_arch_flags()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
 # ---- GPU: ordering of cross-device copies (NOTE [ Peer access ]) -------------------------------
+
 
 def _delay(device: int) -> None:
     """Holds `device`'s current stream busy for a while (~50 ms) without the host waiting."""
@@ -146,8 +153,9 @@ print("ok")
 @pytest.mark.parametrize("pool_mb", ["0", "256"])
 def test_staged_gpu_copy_with_pool_off_or_on_completes(pool_mb: str) -> None:
     env = dict(os.environ, FASTDP_P2P="0", FASTDP_PINNED_POOL_MB=pool_mb)
-    r = subprocess.run([sys.executable, "-c", _STAGED], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _STAGED], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
@@ -176,8 +184,9 @@ def test_peer_access_is_verified_on_allocator_memory_and_agrees_with_torch() -> 
     """N8: with expandable segments (cuMemMap'd memory) a peer can read allocator memory only
     when access was enabled through the allocator; the old check passed without them."""
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    r = subprocess.run([sys.executable, "-c", _PEER], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _PEER], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
@@ -209,8 +218,9 @@ print("ok", first, "warnings:", sum("is reported but" in str(x.message) for x in
 @needs_ext
 def test_peer_access_check_on_a_full_device_stages_instead_of_raising() -> None:
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    r = subprocess.run([sys.executable, "-c", _FULL], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _FULL], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     warned = int(r.stdout.split("warnings:")[1]) + r.stderr.count("is reported but")
     assert warned <= 1  # decided once (TORCH_WARN reaches Python or stderr, not both)
@@ -254,8 +264,14 @@ def test_setup_stops_below_the_torch_floor(tmp_path) -> None:
     (fake / "__init__.py").write_text("__version__ = '2.4.0+cu121'\n")
     env = {k: v for k, v in os.environ.items() if k != "FASTDP_FORCE_CUDA"}  # CI's CUDA stage
     env.update(PYTHONPATH=str(tmp_path), FASTDP_FORCE_CPU="1")
-    r = subprocess.run([sys.executable, str(root / "setup.py"), "--version"], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(root / "setup.py"), "--version"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "fastdp needs torch >= 2.11 (found 2.4.0+cu121)" in r.stderr, r.stderr
     floor = re.search(r'"torch>=([\d.]+)"', (root / "pyproject.toml").read_text())[1]

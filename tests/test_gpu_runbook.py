@@ -17,8 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, FASTDP_GPU_DRY_RUN="1", PYTHON=sys.executable)
-    return subprocess.run(["bash", str(ROOT / "tests" / "gpu.sh"), *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(ROOT / "tests" / "gpu.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_build_stage_dry_run_writes_its_log_and_json(tmp_path: Path) -> None:

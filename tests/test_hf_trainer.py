@@ -50,22 +50,44 @@ SAMPLES, SEQ = 15, 8  # 15: last batches of 3 (2 GPUs) and 7 (4): uneven, every 
 
 def gpt2():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2,
-                                      n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64,
+            n_positions=16,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def bert():
     torch.manual_seed(0)
-    return BertForSequenceClassification(BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, classifier_dropout=0.0))
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            classifier_dropout=0.0,
+        )
+    )
 
 
 def lm_data(n=SAMPLES):
     g = torch.Generator().manual_seed(1)
-    return [{"input_ids": ids, "labels": ids.clone()}
-            for ids in torch.randint(0, 64, (n, SEQ), generator=g)]
+    return [
+        {"input_ids": ids, "labels": ids.clone()}
+        for ids in torch.randint(0, 64, (n, SEQ), generator=g)
+    ]
 
 
 def cls_data(n=SAMPLES):
@@ -86,10 +108,19 @@ class Recording(Trainer):
 
 def train(make, data, tmp_path, n_gpu, per_device=2, epochs=2, loss_kwargs=True):
     args = TrainingArguments(
-        output_dir=str(tmp_path / f"out{n_gpu}"), per_device_train_batch_size=per_device,
+        output_dir=str(tmp_path / f"out{n_gpu}"),
+        per_device_train_batch_size=per_device,
         per_device_eval_batch_size=per_device,
-        num_train_epochs=epochs, learning_rate=1e-2, logging_steps=1, report_to=[],
-        save_strategy="no", seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+        num_train_epochs=epochs,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     if n_gpu:
         args._n_gpu = n_gpu  # private: see the module docstring
     trainer = Recording(model=make(), args=args, train_dataset=data, eval_dataset=data)
@@ -167,8 +198,50 @@ print("wrapped:", type(trainer.model_wrapped).__module__, trainer.state.global_s
 def test_python_m_fastdp_run_runs_an_unmodified_trainer_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT).replace("OUT", str(tmp_path / "out")))
-    proc = subprocess.run([sys.executable, "-m", "fastdp.run", "--device-ids", "cpu,cpu",
-                           "--scalar-outputs", "stack", str(script)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastdp.run",
+            "--device-ids",
+            "cpu,cpu",
+            "--scalar-outputs",
+            "stack",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrapped: fastdp.install 2" in proc.stdout  # 5 samples, batch 4: a partial batch
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="Trainer wraps with 2+ CUDA devices")
+def test_fastdp_run_says_why_an_unchanged_trainer_script_built_no_dataparallel(tmp_path):
+    script = tmp_path / "train.py"  # no _n_gpu: Trainer sees this machine's 0 CUDA devices
+    script.write_text(
+        textwrap.dedent(SCRIPT)
+        .replace("OUT", str(tmp_path / "out"))
+        .replace("args._n_gpu = 2", "pass")
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastdp", "run", "--device-ids", "cpu,cpu", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "wrapped: fastdp.install" not in proc.stdout
+    line = [x for x in proc.stderr.splitlines() if x.startswith("fastdp.run:")]
+    assert len(line) == 1 and "no nn.DataParallel was built" in line[0], proc.stderr[-3000:]
+
+
+def test_scalar_outputs_sum_makes_trainer_losses_n_gpu_times_too_large(tmp_path):
+    """What docs/libraries.md says of "sum" with Trainer (which multiplies by n_gpu, then takes the
+    mean): every step's loss is n_gpu times the single-device loss, where "stack" matches it."""
+    data = lm_data(8)  # 2 GPUs x 2 per device: 2 full batches, every replica runs
+    with fastdp.install(device_ids=["cpu"] * 2, scalar_outputs="sum"):
+        summed = train(gpt2, data, tmp_path, 2, epochs=1)
+    ref = train(gpt2, data, tmp_path, 0, per_device=4, epochs=1)
+    torch.testing.assert_close(summed.step_losses[0], 2 * ref.step_losses[0], rtol=1e-4, atol=1e-5)

@@ -61,8 +61,9 @@ def test_installs_nest_and_are_thread_safe():
         with fastdp.install(launch="threads"):
             assert nn.DataParallel.fastdp_defaults == {"launch": "threads"}
         assert nn.DataParallel.fastdp_defaults == {"launch": "inline"}
-    threads = [threading.Thread(target=lambda: (fastdp.install(), fastdp.uninstall()))
-               for _ in range(16)]
+    threads = [
+        threading.Thread(target=lambda: (fastdp.install(), fastdp.uninstall())) for _ in range(16)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -81,7 +82,15 @@ print(type(m).__module__, len(m.device_ids), tuple(out.shape), sys.argv[1:])
 def test_python_m_fastdp_run_runs_an_unchanged_script(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    cmd = [sys.executable, "-m", "fastdp.run", "--device-ids", "cpu,cpu", str(script),
-           "--flag", "x"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdp.run",
+        "--device-ids",
+        "cpu,cpu",
+        str(script),
+        "--flag",
+        "x",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["fastdp.install", "2", "(5,", "2)", "['--flag',", "'x']"]

@@ -57,8 +57,9 @@ def test_a_snapshot_sees_every_rebinding_by_identity_and_nothing_else(make):
     m.__dict__["scale"] = 2.0  # behind nn.Module's back: seen too
     del m.lin.bias
     m.lin.register_buffer("b", None)
-    assert snap.changed() == sorted({dicts.index(m.__dict__), dicts.index(m.lin._parameters),
-                                     dicts.index(m.lin._buffers)})
+    assert snap.changed() == sorted(
+        {dicts.index(m.__dict__), dicts.index(m.lin._parameters), dicts.index(m.lin._buffers)}
+    )
     snap = make(dicts)
     m.add_module("extra", nn.Identity())
     assert snap.changed() == [dicts.index(m._modules)]
@@ -179,6 +180,7 @@ print("ok")
 def test_nn_module_is_left_as_torch_made_it():
     """Persistent replicas, no_sync and a rebuild later, every nn.Module attribute is the object
     torch defined (a fresh interpreter: nothing imported fastdp before the record)."""
-    r = subprocess.run([sys.executable, "-c", _UNTOUCHED], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _UNTOUCHED], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]

@@ -67,8 +67,7 @@ def test_unknown_strategy_is_rejected(monkeypatch):
 def test_sync_batchnorm_forces_threads(monkeypatch, persistent):
     """Run in turn, replica 0 would wait at the rendezvous for replicas not yet started."""
     monkeypatch.setenv("FASTDP_SYNC_TIMEOUT", "5")  # a regression fails in 5 s, never hangs
-    net = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 4),
-                                                                nn.BatchNorm1d(4)))
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     ref.load_state_dict(net.state_dict())
     fdp = FastDataParallel(net, device_ids=CPU3, launch="inline", persistent=persistent)
@@ -275,8 +274,9 @@ def test_a_new_strategy_is_one_class(monkeypatch):
             out = [None] * len(modules)
             for i in reversed(range(len(modules))):
                 order.append(i)
-                out[i] = strategies.INLINE.run(modules[i:i + 1], inputs[i:i + 1],
-                                               kwargs[i:i + 1], devices[i:i + 1])[0]
+                out[i] = strategies.INLINE.run(
+                    modules[i : i + 1], inputs[i : i + 1], kwargs[i : i + 1], devices[i : i + 1]
+                )[0]
             return out
 
     monkeypatch.setitem(strategies._STRATEGIES, "last-first", LastFirst)

@@ -223,12 +223,16 @@ def test_same_device_replicas_alias_storage_with_own_versions(backend, monkeypat
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_fifty_step_training_matches_plain_module(backend, opt_name):
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(),
-                          nn.Linear(16, 2))
+    model = nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)
+    )
     ref = copy.deepcopy(model)
     fdp = FastDataParallel(model, device_ids=["cpu"] * 4)
-    make = (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)) if opt_name == "sgd" else \
-        (lambda p: torch.optim.Adam(p, lr=1e-2))
+    make = (
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+        if opt_name == "sgd"
+        else (lambda p: torch.optim.Adam(p, lr=1e-2))
+    )
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     g = torch.Generator().manual_seed(2)
     for step in range(50):
@@ -427,8 +431,7 @@ class _Recurrent(nn.Module):
 
 
 @pytest.mark.parametrize("alias", [True, False])
-def test_rnn_replicas_keep_their_weight_cache_and_train_as_the_module(backend, monkeypatch,
-                                                                      alias):
+def test_rnn_replicas_keep_their_weight_cache_and_train_as_the_module(backend, monkeypatch, alias):
     """NOTE [ RNN replicas ]: a replica's LSTM never rebuilds its weight list in forward (that
     would call flatten_parameters, which moves cuDNN weights off the refreshed tensors), also
     after its tensors are renewed under a held graph; training matches the module."""
@@ -459,7 +462,8 @@ def test_rnn_replicas_keep_their_weight_cache_and_train_as_the_module(backend, m
     assert [m for m in rebuilt if m is not model.lstm and m is not ref.lstm] == []
     for rep in fdp.replicate(model, fdp.device_ids):
         lstm = rep.lstm
-        assert [w is getattr(lstm, n) for w, n in
-                zip(lstm._flat_weights, lstm._flat_weights_names)] == [True] * 8
+        assert [
+            w is getattr(lstm, n) for w, n in zip(lstm._flat_weights, lstm._flat_weights_names)
+        ] == [True] * 8
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -47,8 +47,18 @@ PROPERTY = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+]
 LAYOUTS = ["contiguous", "transposed", "sliced", "expanded", "channels_last"]
 DIMS = [0, 1, 2, -1, -2]
 
@@ -66,6 +76,7 @@ class Triple(NamedTuple):
 
 class TensorSpec(NamedTuple):
     """A tensor leaf to be materialised once the batch size and dim are known."""
+
     ndim: int
     sizes: tuple[int, ...]
     dtype: torch.dtype
@@ -82,8 +93,13 @@ tensor_specs = st.builds(
     seed=st.integers(0, 2**31 - 1),
 )
 
-non_tensors = st.one_of(st.none(), st.integers(-5, 5), st.booleans(), st.text(max_size=3),
-                        st.floats(allow_nan=False, width=32))
+non_tensors = st.one_of(
+    st.none(),
+    st.integers(-5, 5),
+    st.booleans(),
+    st.text(max_size=3),
+    st.floats(allow_nan=False, width=32),
+)
 
 
 def _containers(children):
@@ -98,8 +114,9 @@ def _containers(children):
     )
 
 
-spec_trees = st.recursive(st.one_of(tensor_specs, tensor_specs, non_tensors), _containers,
-                          max_leaves=8)
+spec_trees = st.recursive(
+    st.one_of(tensor_specs, tensor_specs, non_tensors), _containers, max_leaves=8
+)
 
 
 def _random_bits(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -210,16 +227,24 @@ def assert_same(a: Any, b: Any, path: str = "x") -> None:
 
 
 def _strict_channels_last(t: torch.Tensor) -> bool:
-    return (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
-            and not t.is_contiguous())
+    return (
+        t.dim() == 4
+        and t.is_contiguous(memory_format=torch.channels_last)
+        and not t.is_contiguous()
+    )
 
 
 # ------------------------------------------------------------------------------- properties
 
 
 @PROPERTY
-@given(tree=spec_trees, n=st.integers(1, 8), batch=st.integers(0, 64), dim=st.sampled_from(DIMS),
-       via_kwargs=st.booleans())
+@given(
+    tree=spec_trees,
+    n=st.integers(1, 8),
+    batch=st.integers(0, 64),
+    dim=st.sampled_from(DIMS),
+    via_kwargs=st.booleans(),
+)
 def test_scatter_gather_roundtrip(tree, n, batch, dim, via_kwargs):
     x = build(tree, batch, dim)
     devices = [torch.device("cpu")] * n
@@ -250,9 +275,13 @@ def test_scatter_gather_roundtrip(tree, n, batch, dim, via_kwargs):
 
 
 @PROPERTY
-@given(specs=st.lists(tensor_specs, min_size=1, max_size=3),
-       batches=st.lists(st.integers(0, 64), min_size=3, max_size=3),
-       same_batch=st.booleans(), n=st.integers(1, 8), dim=st.sampled_from(DIMS))
+@given(
+    specs=st.lists(tensor_specs, min_size=1, max_size=3),
+    batches=st.lists(st.integers(0, 64), min_size=3, max_size=3),
+    same_batch=st.booleans(),
+    n=st.integers(1, 8),
+    dim=st.sampled_from(DIMS),
+)
 def test_scatter_chunks_match_torch_chunk(specs, batches, same_batch, n, dim):
     if same_batch:
         batches = [batches[0]] * 3
@@ -291,8 +320,13 @@ def _step(x, devices, dim, grad_seed):
 
 @pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 @PROPERTY
-@given(tree=spec_trees, n=st.integers(1, 8), batch=st.integers(0, 64), dim=st.sampled_from(DIMS),
-       grad_seed=st.integers(0, 2**31 - 1))
+@given(
+    tree=spec_trees,
+    n=st.integers(1, 8),
+    batch=st.integers(0, 64),
+    dim=st.sampled_from(DIMS),
+    grad_seed=st.integers(0, 2**31 - 1),
+)
 def test_backends_bit_identical(tree, n, batch, dim, grad_seed):
     results = []
     for use_ext in (True, False):
@@ -327,11 +361,17 @@ def _with_grad(tree: Any) -> Any:
 
 
 def _flat_specs_strategy():
-    return st.lists(st.builds(TensorSpec, ndim=st.integers(1, 3),
-                              sizes=st.tuples(*[st.integers(0, 5)] * 4),
-                              dtype=st.sampled_from(DTYPES), layout=st.sampled_from(LAYOUTS),
-                              seed=st.integers(0, 2**31 - 1)),
-                    max_size=8)
+    return st.lists(
+        st.builds(
+            TensorSpec,
+            ndim=st.integers(1, 3),
+            sizes=st.tuples(*[st.integers(0, 5)] * 4),
+            dtype=st.sampled_from(DTYPES),
+            layout=st.sampled_from(LAYOUTS),
+            seed=st.integers(0, 2**31 - 1),
+        ),
+        max_size=8,
+    )
 
 
 def _numeric(spec: TensorSpec) -> torch.Tensor:
@@ -373,18 +413,28 @@ def test_broadcast_coalesced_copies_bit_exact(specs, n, buffer_size):
 
 
 @PROPERTY
-@given(specs=_flat_specs_strategy(), groups=st.integers(1, 4), buffer_size=st.integers(1, 4096),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    specs=_flat_specs_strategy(),
+    groups=st.integers(1, 4),
+    buffer_size=st.integers(1, 4096),
+    seed=st.integers(0, 2**31 - 1),
+)
 # Regressions: no tensors raised TypeError (destination resolved before the empty check); the
 # torch path returned a tuple where the extension returns a list.
 @example(specs=[], groups=1, buffer_size=1, seed=0)
-@example(specs=[TensorSpec(1, (3, 0, 0, 0), torch.float32, "contiguous", 0)], groups=2,
-         buffer_size=1, seed=0)
+@example(
+    specs=[TensorSpec(1, (3, 0, 0, 0), torch.float32, "contiguous", 0)],
+    groups=2,
+    buffer_size=1,
+    seed=0,
+)
 def test_reduce_add_coalesced_sums_in_list_order(specs, groups, buffer_size, seed):
     from fastdp import comm
 
-    inputs = [[_numeric(s._replace(seed=(s.seed + seed * (g + 1)) % 2**31)) for s in specs]
-              for g in range(groups)]
+    inputs = [
+        [_numeric(s._replace(seed=(s.seed + seed * (g + 1)) % 2**31)) for s in specs]
+        for g in range(groups)
+    ]
     snapshot = [[t.clone() for t in grp] for grp in inputs]
     out = comm.reduce_add_coalesced(inputs, None, buffer_size)
     assert_same(inputs, snapshot, "inputs")  # not modified

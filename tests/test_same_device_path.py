@@ -25,8 +25,10 @@ def _inputs(rg):
 def _step(inputs, kwargs, dim, devices=CPU3):
     """Scatter, a differentiable per-replica function, gather: the outputs and input grads."""
     ins, kws = sg.scatter_kwargs(inputs, kwargs, devices, dim)
-    outs = [tuple(t * (r + 1) for t in i) + tuple(v * 2 for v in k.values())
-            for r, (i, k) in enumerate(zip(ins, kws))]
+    outs = [
+        tuple(t * (r + 1) for t in i) + tuple(v * 2 for v in k.values())
+        for r, (i, k) in enumerate(zip(ins, kws))
+    ]
     gathered = sg.gather(outs, devices[0], dim)
     return ins, gathered
 
@@ -40,13 +42,19 @@ def test_split_and_cat_match_the_fused_functions(monkeypatch, dim, rg, with_kwar
     leaf = (x,) if dim == 0 else (y,)
     kwargs = {"z": (x if dim == 0 else y).detach() + 1} if with_kwargs else {}
     ins_fast, out_fast = _step(leaf, kwargs, dim)
-    grads_fast = torch.autograd.grad(sum(t.pow(2).sum() for t in out_fast), leaf,
-                                     create_graph=True) if rg else None
+    grads_fast = (
+        torch.autograd.grad(sum(t.pow(2).sum() for t in out_fast), leaf, create_graph=True)
+        if rg
+        else None
+    )
     with monkeypatch.context() as mp:
         mp.setattr(sg, "_one_device", lambda tensors, devices: False)
         ins_fn, out_fn = _step(leaf, kwargs, dim)
-        grads_fn = torch.autograd.grad(sum(t.pow(2).sum() for t in out_fn), leaf,
-                                       create_graph=True) if rg else None
+        grads_fn = (
+            torch.autograd.grad(sum(t.pow(2).sum() for t in out_fn), leaf, create_graph=True)
+            if rg
+            else None
+        )
     assert [[t.shape for t in i] for i in ins_fast] == [[t.shape for t in i] for i in ins_fn]
     for a, b in zip(ins_fast, ins_fn):
         assert_close(a, b)
@@ -67,7 +75,7 @@ def test_chunks_are_views_of_the_input_as_before():
     x = torch.randn(6, 2)
     ins, _ = sg.scatter_kwargs((x,), None, CPU3, 0)
     assert all(i[0]._base is x for i in ins)
-    assert [i[0].data_ptr() for i in ins] == [x[r * 2:].data_ptr() for r in range(3)]
+    assert [i[0].data_ptr() for i in ins] == [x[r * 2 :].data_ptr() for r in range(3)]
 
 
 def test_uneven_and_empty_batches_split_like_torch_chunk():
@@ -95,8 +103,10 @@ def test_inputs_the_fast_split_does_not_take_still_raise_dataparallels_errors():
     assert len(ins) == 2
 
 
-@pytest.mark.parametrize("make", [lambda r: torch.tensor(float(r)),
-                                  lambda r: Pair(torch.ones(r + 1, 2), torch.tensor(1.0 * r))])
+@pytest.mark.parametrize(
+    "make",
+    [lambda r: torch.tensor(float(r)), lambda r: Pair(torch.ones(r + 1, 2), torch.tensor(1.0 * r))],
+)
 def test_gather_same_device_matches_the_function_path(monkeypatch, make):
     outs = [make(r) for r in range(3)]
     with pytest.warns(UserWarning, match="all input tensors were scalars"):

@@ -21,14 +21,15 @@ except ImportError as e:  # pragma: no cover - no build
 if not hasattr(_C, "scatter_chunks"):
     pytest.skip("fastdp._C has no scatter_chunks", allow_module_level=True)
 
-HAS_CUDA = torch.cuda.is_available() and _C.build_info() and dict(_C.build_info()).get(
-    "built_with_cuda"
-) == "1"
+HAS_CUDA = (
+    torch.cuda.is_available()
+    and _C.build_info()
+    and dict(_C.build_info()).get("built_with_cuda") == "1"
+)
 onlyCUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
 onlyMultiGPU = pytest.mark.skipif(
     not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 distinct GPUs"
 )
-
 
 
 def make(shape, dtype, device="cpu"):
@@ -293,9 +294,9 @@ def test_scatter_current_stream_sees_the_copies():
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_scatter_distinct_gpus(source, dim):
     devices = [torch.device("cuda", k) for k in range(torch.cuda.device_count())]
-    leaves = [
-        make((16, 12), dt, source) for dt in (torch.float32, torch.bfloat16, torch.bool)
-    ] + [make((16, 3, 4, 5), torch.float16, source).contiguous(memory_format=torch.channels_last)]
+    leaves = [make((16, 12), dt, source) for dt in (torch.float32, torch.bfloat16, torch.bool)] + [
+        make((16, 3, 4, 5), torch.float16, source).contiguous(memory_format=torch.channels_last)
+    ]
     run_case(leaves, len(devices), dim, devices)
 
 

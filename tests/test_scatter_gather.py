@@ -32,8 +32,10 @@ class Recorder(nn.Module):
         return tensors[0] * self.w if tensors else self.w.view(1)
 
 
-@pytest.mark.parametrize("batch,n,sizes", [(30, 8, [4] * 7 + [2]), (10, 8, [2] * 5),
-                                           (10, 3, [4, 4, 2]), (3, 8, [1, 1, 1])])
+@pytest.mark.parametrize(
+    "batch,n,sizes",
+    [(30, 8, [4] * 7 + [2]), (10, 8, [2] * 5), (10, 3, [4, 4, 2]), (3, 8, [1, 1, 1])],
+)
 def test_only_as_many_replicas_as_chunks_run(backend, batch, n, sizes):
     m = Recorder()
     out = FastDataParallel(m, device_ids=["cpu"] * n)(torch.arange(batch, dtype=torch.float32))
@@ -48,10 +50,10 @@ def test_nested_inputs_are_scattered_recursively(backend):
     assert len(scattered) == 3 and len(kwargs) == 3
     for r in range(3):
         (d,) = scattered[r]
-        assert_close(d["a"], x[2 * r:2 * r + 2])
+        assert_close(d["a"], x[2 * r : 2 * r + 2])
         assert isinstance(d["b"][1], Pair) and d["b"][1].b == "tag"
-        assert_close(d["b"][1].a, (x + 2)[2 * r:2 * r + 2])
-        assert_close(kwargs[r]["k"][0], (x * 3)[2 * r:2 * r + 2])
+        assert_close(d["b"][1].a, (x + 2)[2 * r : 2 * r + 2])
+        assert_close(kwargs[r]["k"][0], (x * 3)[2 * r : 2 * r + 2])
 
 
 def test_non_tensors_are_passed_by_reference(backend):
@@ -194,8 +196,11 @@ def test_plain_values_come_back_as_a_per_replica_list(backend, kind, expected):
 def test_scalar_outputs_become_a_vector_with_dataparallels_warning(backend):
     m = nn.Linear(3, 1)
     x = torch.randn(8, 3)
-    with pytest.warns(UserWarning, match="Was asked to gather along dimension 0, but all input "
-                      "tensors were scalars; will instead unsqueeze and return a vector."):
+    with pytest.warns(
+        UserWarning,
+        match="Was asked to gather along dimension 0, but all input "
+        "tensors were scalars; will instead unsqueeze and return a vector.",
+    ):
         out = FastDataParallel(_Loss(m), device_ids=["cpu"] * 4)(x)
     assert out.shape == (4,)
     assert_close(out, torch.stack([m(c).sum() for c in x.chunk(4)]))

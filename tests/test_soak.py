@@ -93,8 +93,14 @@ def one_intra_op_thread():
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "fresh_replicas"])
 def test_soak_memory_and_threads_flat(one_intra_op_thread, persistent):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), RunningCenter(32), nn.LayerNorm(32), nn.ReLU(),
-                          nn.Dropout(0.1), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        RunningCenter(32),
+        nn.LayerNorm(32),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(32, 4),
+    )
     fdp = FastDataParallel(model, ["cpu"] * 4, persistent=persistent)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     sizes = batch_sizes(STEPS)
@@ -126,11 +132,13 @@ def test_soak_memory_and_threads_flat(one_intra_op_thread, persistent):
         time.sleep(0.01)
     native_end = proc_status("Threads")
     growth = rss_end - rss_warm
-    print(f"\nsoak: {STEPS} steps in {elapsed:.1f} s ({STEPS / elapsed:.0f} steps/s); "
-          f"RSS after warm-up {rss_warm / 1024:.1f} MiB, at the end {rss_end / 1024:.1f} MiB "
-          f"({growth / 1024:+.1f} MiB); Python threads {threads_warm} -> {threads_end}; "
-          f"native threads {native_warm} -> {native_end}; "
-          f"Python objects {objects_warm} -> {objects_end}")
+    print(
+        f"\nsoak: {STEPS} steps in {elapsed:.1f} s ({STEPS / elapsed:.0f} steps/s); "
+        f"RSS after warm-up {rss_warm / 1024:.1f} MiB, at the end {rss_end / 1024:.1f} MiB "
+        f"({growth / 1024:+.1f} MiB); Python threads {threads_warm} -> {threads_end}; "
+        f"native threads {native_warm} -> {native_end}; "
+        f"Python objects {objects_warm} -> {objects_end}"
+    )
     assert threads_end == threads_warm
     assert objects_end <= objects_warm + 200
     assert native_end <= native_warm

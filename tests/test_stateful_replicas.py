@@ -98,8 +98,7 @@ class PersistentReplicas(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------------------ steps
 
-    @rule(b=st.sampled_from(BATCHES), lr=st.sampled_from([0.0, 0.1]),
-          set_to_none=st.booleans())
+    @rule(b=st.sampled_from(BATCHES), lr=st.sampled_from([0.0, 0.1]), set_to_none=st.booleans())
     def train_step(self, b, lr, set_to_none):
         dt = dtype_of(self.model)
         x = torch.randn(b, 6, generator=self.gen).to(dt)
@@ -170,6 +169,7 @@ class PersistentReplicas(RuleBasedStateMachine):
             with torch.no_grad():
                 m.lin1.weight.mul_(factor)
                 m.bn.running_mean.add_(factor)
+
         self.both(change)
 
     @rule(seed=st.integers(0, 2**16), assign=st.booleans())
@@ -185,6 +185,7 @@ class PersistentReplicas(RuleBasedStateMachine):
         def change(m):
             torch.manual_seed(seed)
             setattr(m, which, nn.Linear(*getattr(m, which).weight.shape[::-1]).to(dtype_of(m)))
+
         self.both(change)
 
     @rule(scale=st.sampled_from([0.5, 1.0, 3.0]))
@@ -193,8 +194,10 @@ class PersistentReplicas(RuleBasedStateMachine):
 
     @rule(k=st.sampled_from([-1.0, 2.0]))
     def add_hook(self, k):
-        hooks = [m.lin1.register_forward_hook(lambda mod, i, o, k=k: o * k)
-                 for m in (self.model, self.twin)]
+        hooks = [
+            m.lin1.register_forward_hook(lambda mod, i, o, k=k: o * k)
+            for m in (self.model, self.twin)
+        ]
         self.hooks.append(hooks)
 
     @precondition(lambda self: self.hooks)
@@ -220,6 +223,7 @@ class PersistentReplicas(RuleBasedStateMachine):
         def change(m):
             g = torch.Generator().manual_seed(seed)
             m.lin2.bias.data = torch.randn(4, generator=g).to(dtype_of(m))
+
         self.both(change)
 
     @precondition(lambda self: "extra" not in dict(self.model.named_buffers()))
@@ -251,7 +255,6 @@ PersistentReplicas.TestCase.settings = settings(
 )
 
 
-
 @pytest.mark.parametrize("alias", [True, False], ids=["aliased", "copied"])
 def test_persistent_replicas_state_machine(monkeypatch, alias):
     """``aliased``: CPU replicas share the originals' storage (the default on one device);
@@ -265,7 +268,8 @@ class Sabotaged(PersistentReplicas):
 
 
 Sabotaged.TestCase.settings = settings(
-    PersistentReplicas.TestCase.settings, max_examples=200, phases=[Phase.generate])
+    PersistentReplicas.TestCase.settings, max_examples=200, phases=[Phase.generate]
+)
 
 
 @pytest.mark.parametrize("sabotage", ["never_invalidate", "never_refresh"])
@@ -274,7 +278,8 @@ def test_state_machine_catches_stale_replicas(monkeypatch, sabotage):
     if sabotage == "never_invalidate":
         monkeypatch.setattr(ReplicaSet, "valid", lambda self, verified=None: True)
     else:
-        monkeypatch.setattr(ReplicaSet, "refresh",
-                            lambda self, no_sync=False: Replicas(self.replicas, self))
+        monkeypatch.setattr(
+            ReplicaSet, "refresh", lambda self, no_sync=False: Replicas(self.replicas, self)
+        )
     with pytest.raises(Exception):  # noqa: B017  (an assertion or an error from a stale replica)
         Sabotaged.TestCase().runTest()

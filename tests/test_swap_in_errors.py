@@ -20,11 +20,14 @@ class Sum(nn.Module):
         return self.w * 0 + 1.0
 
 
-@pytest.mark.parametrize("make,kind", [
-    (lambda: torch.eye(4).to_sparse(), "sparse_coo"),
-    (lambda: torch.eye(4).to_sparse_csr(), "sparse_csr"),
-    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
-])
+@pytest.mark.parametrize(
+    "make,kind",
+    [
+        (lambda: torch.eye(4).to_sparse(), "sparse_coo"),
+        (lambda: torch.eye(4).to_sparse_csr(), "sparse_csr"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+    ],
+)
 def test_unsplittable_inputs_get_fastdps_message_naming_the_leaf(make, kind):
     fdp = FastDataParallel(Sum(), device_ids=["cpu"] * 2)
     with pytest.raises(TypeError, match=rf"input kwargs\['feats'\] is a .*{kind}.*whole"):
@@ -47,8 +50,9 @@ def test_checkpoints_saved_through_torch_compile_load_and_unwrap():
     compiled = torch.compile(FastDataParallel(m, device_ids=["cpu"] * 2))
     sd = compiled.state_dict()
     assert all(k.startswith("_orig_mod.module.") for k in sd)
-    fresh = FastDataParallel(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
-                             device_ids=["cpu"] * 2)
+    fresh = FastDataParallel(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), device_ids=["cpu"] * 2
+    )
     fresh.load_state_dict(sd)
     for a, b in zip(fresh.parameters(), m.parameters()):
         assert torch.equal(a, b)

@@ -19,9 +19,15 @@ from fastdp.testing import replica_ids, withCUDA
 def _cnn():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6, momentum=None), nn.ReLU(),
-        nn.Flatten(), nn.Linear(6 * 4 * 4, 5), nn.BatchNorm1d(5, affine=False),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3),
+        nn.BatchNorm2d(6, momentum=None),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 5),
+        nn.BatchNorm1d(5, affine=False),
     ).double()
 
 
@@ -39,8 +45,9 @@ def _assert_same_state(a, b):
 
 
 @withCUDA
-@pytest.mark.parametrize("n,split", [(2, {}), (3, {}), (3, {"chunk_sizes": [6, 1, 3]}),
-                                     (4, {"balance": [1, 0, 2, 1]})])
+@pytest.mark.parametrize(
+    "n,split", [(2, {}), (3, {}), (3, {"chunk_sizes": [6, 1, 3]}), (4, {"balance": [1, 0, 2, 1]})]
+)
 def test_training_steps_equal_whole_batch_batchnorm(kind, n, split):
     sync, ref = _sync_and_ref(_cnn())
     dev = "cpu" if kind == "cpu" else "cuda:0"
@@ -74,11 +81,14 @@ def test_plain_batchnorm_is_still_per_replica():
         assert_close(fastdp.FastDataParallel(net, ["cpu"] * 2)(x), copy.deepcopy(net)(x))
 
 
-@pytest.mark.parametrize("shape,bn", [
-    ((9, 4, 7), lambda: nn.BatchNorm1d(4)),
-    ((9, 4), lambda: nn.BatchNorm1d(4, track_running_stats=False)),
-    ((9, 2, 3, 2, 2), lambda: nn.BatchNorm3d(2, affine=False)),
-])
+@pytest.mark.parametrize(
+    "shape,bn",
+    [
+        ((9, 4, 7), lambda: nn.BatchNorm1d(4)),
+        ((9, 4), lambda: nn.BatchNorm1d(4, track_running_stats=False)),
+        ((9, 2, 3, 2, 2), lambda: nn.BatchNorm3d(2, affine=False)),
+    ],
+)
 def test_layer_variants_equal_whole_batch(shape, bn):
     sync, ref = _sync_and_ref(nn.Sequential(bn()).double())
     fdp = fastdp.FastDataParallel(sync, ["cpu"] * 3)
@@ -183,7 +193,8 @@ def _marked_batch():
 def test_replica_exception_releases_the_others_and_surfaces(monkeypatch):
     monkeypatch.setenv("FASTDP_SYNC_TIMEOUT", "60")
     fdp = fastdp.FastDataParallel(
-        nn.SyncBatchNorm.convert_sync_batchnorm(_Failing("raise")), ["cpu"] * 3)
+        nn.SyncBatchNorm.convert_sync_batchnorm(_Failing("raise")), ["cpu"] * 3
+    )
     start = time.monotonic()
     box = _run_bounded(lambda: fdp(_marked_batch()))
     assert time.monotonic() - start < 10
@@ -195,7 +206,8 @@ def test_replica_exception_releases_the_others_and_surfaces(monkeypatch):
 def test_replica_skipping_a_layer_is_an_error_not_a_hang(monkeypatch):
     monkeypatch.setenv("FASTDP_SYNC_TIMEOUT", "60")
     fdp = fastdp.FastDataParallel(
-        nn.SyncBatchNorm.convert_sync_batchnorm(_Failing("skip")), ["cpu"] * 3)
+        nn.SyncBatchNorm.convert_sync_batchnorm(_Failing("skip")), ["cpu"] * 3
+    )
     box = _run_bounded(lambda: fdp(_marked_batch()))
     assert isinstance(box["err"], RuntimeError)
     assert "same number of times" in str(box["err"]) and "bn2" in str(box["err"])
@@ -204,7 +216,8 @@ def test_replica_skipping_a_layer_is_an_error_not_a_hang(monkeypatch):
 def test_timeout_when_a_replica_is_stuck(monkeypatch):
     monkeypatch.setenv("FASTDP_SYNC_TIMEOUT", "0.2")
     fdp = fastdp.FastDataParallel(
-        nn.SyncBatchNorm.convert_sync_batchnorm(_Failing("sleep")), ["cpu"] * 3)
+        nn.SyncBatchNorm.convert_sync_batchnorm(_Failing("sleep")), ["cpu"] * 3
+    )
     box = _run_bounded(lambda: fdp(_marked_batch()))
     assert isinstance(box["err"], TimeoutError)
     assert "FASTDP_SYNC_TIMEOUT" in str(box["err"])

@@ -22,13 +22,15 @@ class StateProbe(nn.Module):
 
     def forward(self, x):
         with self.lock:
-            self.states.append({
-                "grad": torch.is_grad_enabled(),
-                "inference": torch.is_inference_mode_enabled(),
-                "autocast": torch.is_autocast_enabled(self.kind),
-                "dtype": torch.get_autocast_dtype(self.kind),
-                "thread": threading.get_ident(),
-            })
+            self.states.append(
+                {
+                    "grad": torch.is_grad_enabled(),
+                    "inference": torch.is_inference_mode_enabled(),
+                    "autocast": torch.is_autocast_enabled(self.kind),
+                    "dtype": torch.get_autocast_dtype(self.kind),
+                    "thread": threading.get_ident(),
+                }
+            )
         return self.lin(x)
 
 

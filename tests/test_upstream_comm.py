@@ -66,11 +66,8 @@ pytestmark = pytest.mark.usefixtures("backend")  # with the extension allowed an
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 needs_2gpus = pytest.mark.skipif(
-    not (HAS_CUDA and torch.cuda.device_count() >= 2), reason="needs two distinct GPUs")
-
-
-
-
+    not (HAS_CUDA and torch.cuda.device_count() >= 2), reason="needs two distinct GPUs"
+)
 
 
 def equal(a, b):
@@ -80,8 +77,11 @@ def equal(a, b):
 def _sparse(size, nnz, dtype, dev, seed):
     g = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randint(s, (nnz,), generator=g) for s in size])
-    vals = torch.randn(nnz, generator=g).to(dtype) if dtype.is_floating_point else (
-        torch.randint(-9, 9, (nnz,), generator=g, dtype=dtype))
+    vals = (
+        torch.randn(nnz, generator=g).to(dtype)
+        if dtype.is_floating_point
+        else (torch.randint(-9, 9, (nnz,), generator=g, dtype=dtype))
+    )
     return torch.sparse_coo_tensor(idx, vals, size, device=dev, check_invariants=True)
 
 
@@ -109,10 +109,16 @@ def _tensor_sets(dev):
         torch.randn(n * 2).int().to(dev),
         torch.randn(n, device=dev),
     ]
-    empty = [torch.tensor([]).byte().to(dev), torch.randn(5, device=dev),
-             torch.randn(5, device=dev).double()]
-    return {"mixed": (mixed, n * 8 * 5 // 2), "dense_only": (dense, n * 8 * 5 // 2),
-            "empty": (empty, 256)}
+    empty = [
+        torch.tensor([]).byte().to(dev),
+        torch.randn(5, device=dev),
+        torch.randn(5, device=dev).double(),
+    ]
+    return {
+        "mixed": (mixed, n * 8 * 5 // 2),
+        "dense_only": (dense, n * 8 * 5 // 2),
+        "empty": (empty, 256),
+    }
 
 
 def _same_kind(a, b):
@@ -139,8 +145,10 @@ def test_broadcast(devices):
 
 
 def test_broadcast_out_and_errors():
-    pytest.skip("fastdp.comm has no broadcast(tensor, devices, out=); DataParallel only uses "
-                "broadcast_coalesced, which is covered by test_broadcast_coalesced")
+    pytest.skip(
+        "fastdp.comm has no broadcast(tensor, devices, out=); DataParallel only uses "
+        "broadcast_coalesced, which is covered by test_broadcast_coalesced"
+    )
 
 
 @pytest.mark.parametrize("kind", ["mixed", "dense_only", "empty"])
@@ -235,10 +243,12 @@ def test_scatter_errors(devices, case):  # regression: these were ValueErrors
     shape, chunk_sizes, dim = SCATTER_CASES[case]
     inp = torch.randn(*shape)
     if chunk_sizes is not None:
-        with pytest.raises(RuntimeError,
-                           match="Expected devices and chunk_sizes to be of same length"):
-            comm.scatter(inp, [devices[0]] * (len(chunk_sizes) + 1), dim=dim,
-                         chunk_sizes=chunk_sizes)
+        with pytest.raises(
+            RuntimeError, match="Expected devices and chunk_sizes to be of same length"
+        ):
+            comm.scatter(
+                inp, [devices[0]] * (len(chunk_sizes) + 1), dim=dim, chunk_sizes=chunk_sizes
+            )
     with pytest.raises(RuntimeError, match="Expected at least one device to scatter to"):
         comm.scatter(inp, (), dim=dim)
 
@@ -374,15 +384,14 @@ def test_scatter_namedtuple(devices, cls):
     assert len(out) == n
     for i, x in enumerate(out):
         assert isinstance(x, cls) and x._fields == ("a", "b")
-        equal(x.a, a[2 * i:2 * i + 2])
-        equal(x.b, b[2 * i:2 * i + 2])
+        equal(x.a, a[2 * i : 2 * i + 2])
+        equal(x.b, b[2 * i : 2 * i + 2])
 
 
 @pytest.mark.parametrize("cls", [_PlainPair, _TypedPair], ids=["collections", "typing"])
 def test_gather_namedtuple(devices, cls):
     n, dev = len(devices), home(devices)
-    outputs = [cls(torch.rand(n * 2, device=dev), torch.rand(n * 2, device=dev))
-               for _ in range(2)]
+    outputs = [cls(torch.rand(n * 2, device=dev), torch.rand(n * 2, device=dev)) for _ in range(2)]
     for target in ("cpu", dev):
         out = sg.gather(outputs, target)
         assert isinstance(out, cls)

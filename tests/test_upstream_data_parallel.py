@@ -99,11 +99,8 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_2GPUS = HAS_CUDA and torch.cuda.device_count() >= 2
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 needs_2gpus = pytest.mark.skipif(
-    not HAS_2GPUS, reason="needs two distinct GPUs (upstream TEST_MULTIGPU part)")
-
-
-
-
+    not HAS_2GPUS, reason="needs two distinct GPUs (upstream TEST_MULTIGPU part)"
+)
 
 
 def close(a, b, **kw):
@@ -163,8 +160,11 @@ def test_data_parallel_lazy_linear(devices):
     """Current upstream: ValueError "Attempted to use an uninitialized parameter" (older: a
     RuntimeError "Modules with uninitialized parameters"); fastdp's text carries both."""
     dev = home(devices)
-    with pytest.raises(ValueError, match=r"Attempted to use an uninitialized parameter[\s\S]*"
-                       "Modules with uninitialized parameters"):
+    with pytest.raises(
+        ValueError,
+        match=r"Attempted to use an uninitialized parameter[\s\S]*"
+        "Modules with uninitialized parameters",
+    ):
         model_dp = FastDataParallel(nn.LazyLinear(10).to(dev), devices)
         model_dp(torch.rand(10, 10, device=dev))
 
@@ -214,8 +214,10 @@ def test_parallel_apply_passes_exception(devices):
     dev = home(devices)
     l1 = TestModule().to(dev)
     where = "0" if dev.type == "cuda" else "cpu"
-    pattern = (rf"Caught KeyError in replica \d on device {where}.\nOriginal Traceback"
-               r"[\s\S]+wonderful")
+    pattern = (
+        rf"Caught KeyError in replica \d on device {where}.\nOriginal Traceback"
+        r"[\s\S]+wonderful"
+    )
     with pytest.raises(KeyError, match=pattern):
         parallel_apply((l1, l1), (None, None), None, devices)  # one device used twice
 
@@ -280,10 +282,16 @@ def _check_model_device(test_cases, inp_default):
     msg = "module must have its parameters and buffers on device {}"
     for inner, inp, device_ids, should_fail in test_cases:
         inp = inp_default if inp is None else inp
-        expect = torch.device(device_ids[0]) if isinstance(device_ids[0], str) else (
-            torch.device("cuda", device_ids[0]))
-        ctx = (pytest.raises(RuntimeError, match=msg.format(expect)) if should_fail
-               else contextlib.nullcontext())
+        expect = (
+            torch.device(device_ids[0])
+            if isinstance(device_ids[0], str)
+            else (torch.device("cuda", device_ids[0]))
+        )
+        ctx = (
+            pytest.raises(RuntimeError, match=msg.format(expect))
+            if should_fail
+            else contextlib.nullcontext()
+        )
         with ctx:
             FastDataParallel(inner, device_ids)(inp)
         with ctx:
@@ -467,8 +475,12 @@ def test_data_parallel_module_zero_inputs(devices):
 
     expected = torch.ones(2, 3, device=dev)
     model = TestModule()
-    for out in (FastDataParallel(model, devices[:1])(), FastDataParallel(model, devices)(),
-                data_parallel(model, None, devices[:1]), data_parallel(model, (), devices)):
+    for out in (
+        FastDataParallel(model, devices[:1])(),
+        FastDataParallel(model, devices)(),
+        data_parallel(model, None, devices[:1]),
+        data_parallel(model, (), devices),
+    ):
         assert out.device == dev
         close(out, expected)
 
@@ -488,8 +500,13 @@ def test_data_parallel_function_deletion(devices):  # pytorch #16532
 
     def gradient_penalty(net, x):
         output = net(x)
-        return torch.autograd.grad(outputs=output, inputs=x, grad_outputs=x.new_ones(output.size()),
-                                   create_graph=True, retain_graph=True)[0].mean()
+        return torch.autograd.grad(
+            outputs=output,
+            inputs=x,
+            grad_outputs=x.new_ones(output.size()),
+            create_graph=True,
+            retain_graph=True,
+        )[0].mean()
 
     net = nn.Linear(4, 1).to(dev)
     dpn = FastDataParallel(net, devices)
@@ -539,6 +556,7 @@ def test_double_backward_with_non_differentiable_copies(monkeypatch):
         def wrapped(*args, **kwargs):
             with torch.no_grad():
                 return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(comm, "gather", no_history(comm.gather))
@@ -577,9 +595,15 @@ def _check_gather(output_device, sources):
     a = torch.randn(2, 4, device=sources[0], dtype=torch.double, requires_grad=True)
     b = torch.randn(2, 4, device=sources[1], dtype=torch.double, requires_grad=True)
     result = gather((a, b), output_device)
-    target = torch.device("cpu") if output_device == -1 else (
-        torch.device("cuda", output_device) if isinstance(output_device, int)
-        else torch.device(output_device))
+    target = (
+        torch.device("cpu")
+        if output_device == -1
+        else (
+            torch.device("cuda", output_device)
+            if isinstance(output_device, int)
+            else torch.device(output_device)
+        )
+    )
     assert result.shape == (4, 4) and result.device == target
     close(result[:2], a.to(target))
     close(result[2:], b.to(target))
@@ -621,8 +645,10 @@ def test_gather_different_len_dicts(devices):
     dev = home(devices)
     outputs = (
         {"a": torch.randn(1, 2, device=dev, requires_grad=True)},
-        {"b": torch.randn(1, 2, device=dev, requires_grad=True),
-         "a": torch.randn(1, 2, device=dev, requires_grad=True)},
+        {
+            "b": torch.randn(1, 2, device=dev, requires_grad=True),
+            "a": torch.randn(1, 2, device=dev, requires_grad=True),
+        },
     )
     with pytest.raises(ValueError):
         gather(outputs, dev)
@@ -696,9 +722,11 @@ def test_save_replica_module(devices):  # pytorch #37182
     torch.save(replicate(module, devices, detach=True), data)
 
 
-_FORMATS = ([torch.contiguous_format] * 4,
-            [torch.channels_last] * 2 + [torch.contiguous_format] * 2,
-            [torch.channels_last] * 4)
+_FORMATS = (
+    [torch.contiguous_format] * 4,
+    [torch.channels_last] * 2 + [torch.contiguous_format] * 2,
+    [torch.channels_last] * 4,
+)
 
 
 class _ConvNet(nn.Module):
@@ -722,8 +750,9 @@ class _ConvNet(nn.Module):
 def test_strided_grad_layout(devices, formats, mix):
     dev = home(devices)
     low = torch.half if dev.type == "cuda" else torch.bfloat16
-    dtypes = {"full": [torch.float] * 4, "mixed": [torch.float] * 2 + [low] * 2,
-              "low": [low] * 4}[mix]
+    dtypes = {"full": [torch.float] * 4, "mixed": [torch.float] * 2 + [low] * 2, "low": [low] * 4}[
+        mix
+    ]
     inp = torch.randn(len(devices) * 4, 8, 8, 8, device=dev)
     target = torch.randn(len(devices) * 4, 8, 4, 4, device=dev)
     m = _ConvNet(formats, dtypes).to(dev)
@@ -732,8 +761,11 @@ def test_strided_grad_layout(devices, formats, mix):
     opt_dp = torch.optim.SGD(m_dp.parameters(), lr=0.1)
     has_low = low in dtypes
     tol = 1e-2 if has_low else 1e-5
-    flags = (torch.backends.cudnn.flags(enabled=True, deterministic=True, benchmark=False)
-             if dev.type == "cuda" else contextlib.nullcontext())
+    flags = (
+        torch.backends.cudnn.flags(enabled=True, deterministic=True, benchmark=False)
+        if dev.type == "cuda"
+        else contextlib.nullcontext()
+    )
     with flags:
         for _ in range(2):  # the first iteration creates .grad, the second reuses zeroed ones
             F.mse_loss(m(inp).float(), target).backward()
@@ -781,7 +813,8 @@ def test_parameter_list_dict_replica(devices):
 
 def _dtypes(devices):
     return [torch.float, torch.double, torch.half] + (
-        [torch.bfloat16] if home(devices).type == "cpu" else [])
+        [torch.bfloat16] if home(devices).type == "cpu" else []
+    )
 
 
 _PREC = {torch.float: 1e-5, torch.double: 1e-5, torch.half: 1e-2, torch.bfloat16: 1e-1}

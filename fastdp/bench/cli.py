@@ -1,4 +1,4 @@
-"""``python -m fastdp.bench``: fastdp vs nn.DataParallel vs the bare module, on this machine.
+"""``python -m fastdp bench``: fastdp vs nn.DataParallel vs the bare module, on this machine.
 
 Writes a table to stdout, ``results.json``, ``table.txt`` and PNG plots under ``--out``; the
 progress bar and notes go to stderr. See ``bench/README.md`` for what each suite measures.
@@ -74,25 +74,50 @@ def settings(profile: str, repeats: int | None, replicas: tuple[int, ...]) -> Se
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastdp.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repeats (CPU run < 60 s; CI smoke test)")
+    p = argparse.ArgumentParser(
+        prog="python -m fastdp bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes and few repeats (CPU run < 60 s; CI smoke test)",
+    )
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the pytest smoke
     # Runs the GPU suites' code on CPU devices (meaningless figures): exercises it without a GPU.
     p.add_argument("--gpu-dry-run", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=os.path.join("bench", "out"),
-                   help="output directory (default: bench/out)")
-    p.add_argument("--suite", nargs="+", default=["auto"], metavar="SUITE",
-                   help=f"auto (by hardware), all, or any of: {', '.join(ALL_SUITES)}")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed repeats per configuration, all of them (default: the profile's, "
-                        "cut short after a few seconds per configuration)")
-    p.add_argument("--replicas", type=int, nargs="+", default=None,
-                   help="replica counts for the step suites (default: 1 2 4; --quick: 1 4)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads for the whole run (default 1: CPU replicas are "
-                        "threads themselves; more oversubscribes the cores)")
+    p.add_argument(
+        "--out", default=os.path.join("bench", "out"), help="output directory (default: bench/out)"
+    )
+    p.add_argument(
+        "--suite",
+        nargs="+",
+        default=["auto"],
+        metavar="SUITE",
+        help=f"auto (by hardware), all, or any of: {', '.join(ALL_SUITES)}",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repeats per configuration, all of them (default: the profile's, "
+        "cut short after a few seconds per configuration)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=None,
+        help="replica counts for the step suites (default: 1 2 4; --quick: 1 4)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the whole run (default 1: CPU replicas are "
+        "threads themselves; more oversubscribes the cores)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -123,8 +148,13 @@ def _note(msg: str) -> None:
 
 def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
     """The suites that run here, those skipped (with why), their tasks, and the profiles."""
-    wanted = (auto_suites() if "auto" in args.suite else
-              list(ALL_SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite)))
+    wanted = (
+        auto_suites()
+        if "auto" in args.suite
+        else list(ALL_SUITES)
+        if "all" in args.suite
+        else list(dict.fromkeys(args.suite))
+    )
     skipped = {s: why for s in wanted if (why := why_not(s))}
     for s, why in skipped.items():
         _note(f"suite {s} skipped: {why}")
@@ -146,10 +176,17 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
     meta = machine.describe(argv)
     load = machine.load_average()
     if load is not None and load > 0.5 * (os.cpu_count() or 1):
-        _note(f"the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): "
-              "timings will be noisy; the JSON records the load.")
-    meta.update(suites=suites, skipped_suites=skipped, profiles=profiles,
-                gpu_dry_run=args.gpu_dry_run, tasks=len(tasks))
+        _note(
+            f"the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): "
+            "timings will be noisy; the JSON records the load."
+        )
+    meta.update(
+        suites=suites,
+        skipped_suites=skipped,
+        profiles=profiles,
+        gpu_dry_run=args.gpu_dry_run,
+        tasks=len(tasks),
+    )
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "records.partial.jsonl")
     with open(partial, "w") as f:  # one line per record as tasks finish; removed once complete
@@ -170,13 +207,23 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
         pngs = plots.write_all(records, args.out)
     elif not args.no_plots:
         _note("matplotlib is not installed; no plots (pip install matplotlib).")
-    meta.update(plots=[os.path.basename(p) for p in pngs], wall_s=time.perf_counter() - t_start,
-                load_average={"start": load, "end": machine.load_average()})
+    meta.update(
+        plots=[os.path.basename(p) for p in pngs],
+        wall_s=time.perf_counter() - t_start,
+        load_average={"start": load, "end": machine.load_average()},
+    )
     json_path = os.path.join(args.out, "results.json")
     report.write_json(json_path, meta, records)
     os.remove(partial)
-    print(f"\nwrote {json_path}, {os.path.join(args.out, 'table.txt')}"
-          + "".join(f", {p}" for p in pngs))
+    print(
+        f"\nwrote {json_path}, {os.path.join(args.out, 'table.txt')}"
+        + "".join(f", {p}" for p in pngs)
+    )
     print(f"wall time {meta['wall_s']:.1f} s")
-    return {"schema": report.SCHEMA, "meta": meta, "records": records, "plots": pngs,
-            "json": json_path}
+    return {
+        "schema": report.SCHEMA,
+        "meta": meta,
+        "records": records,
+        "plots": pngs,
+        "json": json_path,
+    }

@@ -37,8 +37,7 @@ def gpus() -> dict:
     n = torch.cuda.device_count()
     props = [torch.cuda.get_device_properties(i) for i in range(n)]
     smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    peer = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)]
-            for i in range(n)]
+    peer = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
     return {
         "count": n,
         "names": [p.name for p in props],
@@ -83,7 +82,8 @@ def describe(argv: list[str]) -> dict:
         "machine": {
             "cpu": cpu_model(),
             "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            "cores_usable": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
             else os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(),
@@ -94,6 +94,9 @@ def describe(argv: list[str]) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "fastdp": {"version": fastdp.__version__, **git_commit(), "info": info},
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("FASTDP_", "OMP_", "MKL_", "CUDA_VISIBLE"))},
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("FASTDP_", "OMP_", "MKL_", "CUDA_VISIBLE"))
+        },
     }

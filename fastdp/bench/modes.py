@@ -30,11 +30,24 @@ from torch import nn
 
 from fastdp.bench.workloads import loss_of, map_tensors, tensors_of
 
-MODES = ("bare", "floor", "torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext",
-         "dp_algo")
+MODES = (
+    "bare",
+    "floor",
+    "torch_dp",
+    "fastdp",
+    "fastdp_threads",
+    "fastdp_inline",
+    "fastdp_noext",
+    "dp_algo",
+)
 WRAPPERS = ("torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext", "dp_algo")
-LAUNCH_MODES = {"fastdp": "auto", "fastdp_threads": "threads", "fastdp_inline": "inline",
-                "fastdp_noext": "auto", "dp_algo": "threads"}  # dp_algo: DataParallel's threads
+LAUNCH_MODES = {
+    "fastdp": "auto",
+    "fastdp_threads": "threads",
+    "fastdp_inline": "inline",
+    "fastdp_noext": "auto",
+    "dp_algo": "threads",
+}  # dp_algo: DataParallel's threads
 
 
 def fresh_replicate(module: nn.Module, devices: Sequence, detach: bool = False) -> list:
@@ -198,8 +211,9 @@ def _max_rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return worst
 
 
-def check(model: nn.Module, call: Callable, args: tuple, n: int, device: torch.device | str,
-          rtol: float) -> dict:
+def check(
+    model: nn.Module, call: Callable, args: tuple, n: int, device: torch.device | str, rtol: float
+) -> dict:
     """Compares outputs and gradients of ``call`` with ``chunked_reference`` (max over tensors of
     max|got - ref| / max|ref|, which must stay <= ``rtol``). Leaves the gradients at None."""
     model.zero_grad(set_to_none=True)

@@ -37,15 +37,22 @@ class Settings:
     rtol_cuda: float = 2e-3  # cuDNN picks per-shape algorithms (TF32 convolutions by default)
     check: bool = True
 
-    def measure(self, fn: Callable[[], object],
-                sync: Callable[[], None] | None = None) -> timing.Stats:
+    def measure(
+        self, fn: Callable[[], object], sync: Callable[[], None] | None = None
+    ) -> timing.Stats:
         return self.measure_many({"_": fn}, sync)["_"]
 
-    def measure_many(self, fns: dict[str, Callable[[], object]],
-                     sync: Callable[[], None] | None = None) -> dict[str, timing.Stats]:
-        return timing.measure_many(fns, warmup=self.warmup, repeats=self.repeats,
-                                   min_repeat_s=self.min_repeat_s,
-                                   max_total_s=self.max_total_s, sync=sync)
+    def measure_many(
+        self, fns: dict[str, Callable[[], object]], sync: Callable[[], None] | None = None
+    ) -> dict[str, timing.Stats]:
+        return timing.measure_many(
+            fns,
+            warmup=self.warmup,
+            repeats=self.repeats,
+            min_repeat_s=self.min_repeat_s,
+            max_total_s=self.max_total_s,
+            sync=sync,
+        )
 
 
 @dataclass
@@ -57,8 +64,10 @@ class Task:
 
 
 def _oom_types() -> tuple[type, ...]:
-    found = (getattr(torch, "OutOfMemoryError", None),
-             getattr(torch.cuda, "OutOfMemoryError", None))
+    found = (
+        getattr(torch, "OutOfMemoryError", None),
+        getattr(torch.cuda, "OutOfMemoryError", None),
+    )
     return tuple(t for t in found if t is not None)
 
 
@@ -80,8 +89,9 @@ def guarded(record: dict, body: Callable[[dict], None]) -> dict:
             record.update(status="oom", error=short_error(e))
             _release()
         else:
-            record.update(status="error", error=short_error(e),
-                          traceback=traceback.format_exc(limit=-4))
+            record.update(
+                status="error", error=short_error(e), traceback=traceback.format_exc(limit=-4)
+            )
     return record
 
 
@@ -107,11 +117,23 @@ def time_into(s: Settings, fns: dict, recs: dict, sync: Callable[[], None] | Non
             recs[key].update(status=failed["status"], error=failed.get("error"))
 
 
-def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str],
-               model: nn.Module, args: tuple, devices: Sequence | None, n: int,
-               ref_device: torch.device | str, input_kind: str | None = None,
-               step: str = "train", sync: Callable[[], None] | None = None,
-               extra: dict | None = None, bare_model: nn.Module | None = None) -> list[dict]:
+def time_modes(
+    s: Settings,
+    *,
+    suite: str,
+    w: Workload,
+    mode_list: Sequence[str],
+    model: nn.Module,
+    args: tuple,
+    devices: Sequence | None,
+    n: int,
+    ref_device: torch.device | str,
+    input_kind: str | None = None,
+    step: str = "train",
+    sync: Callable[[], None] | None = None,
+    extra: dict | None = None,
+    bare_model: nn.Module | None = None,
+) -> list[dict]:
     """Checks each wrapper, then times every mode of ``mode_list`` interleaved; one record each.
 
     ``bare`` runs ``bare_model`` (default ``model``) on the whole batch, ``floor`` on the
@@ -119,21 +141,33 @@ def time_modes(s: Settings, *, suite: str, w: Workload, mode_list: Sequence[str]
     fails its set-up or first step is recorded and left out of the timing; the others are still
     timed. ``auto`` wrappers are timed once their trial steps are over (``modes.settle``).
     """
-    base = {"suite": suite, "workload": w.name, "input": input_kind or w.input_kind,
-            "replicas": n, "step": step, "batch": w.batch, "layers": w.layers, **(extra or {})}
-    names = None if devices is None else [f"cuda:{d}" if isinstance(d, int) else str(d)
-                                          for d in devices]
-    recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names}
-            for m in mode_list}
+    base = {
+        "suite": suite,
+        "workload": w.name,
+        "input": input_kind or w.input_kind,
+        "replicas": n,
+        "step": step,
+        "batch": w.batch,
+        "layers": w.layers,
+        **(extra or {}),
+    }
+    names = (
+        None
+        if devices is None
+        else [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+    )
+    recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names} for m in mode_list}
     make = modes.train_step if step == "train" else modes.forward_step
     steps: dict[str, Callable[[], None]] = {}
     calls: dict[str, Callable] = {}
     with contextlib.ExitStack() as stack:
         for m in mode_list:
+
             def setup(r: dict, m: str = m) -> None:
                 target = (bare_model or model) if m in ("bare", "floor") else model
-                call = stack.enter_context(modes.wrapped(m, target, None if m == "bare"
-                                                         else devices))
+                call = stack.enter_context(
+                    modes.wrapped(m, target, None if m == "bare" else devices)
+                )
                 calls[m] = call
                 if m not in ("bare", "floor") and s.check:
                     rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
@@ -172,8 +206,9 @@ def record_launch(recs: dict, calls: dict) -> None:
             recs[m]["launch_pick"] = call.launch_report()
 
 
-def run_tasks(tasks: list[Task], progress: bool = True,
-              sink: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def run_tasks(
+    tasks: list[Task], progress: bool = True, sink: Callable[[list[dict]], None] | None = None
+) -> list[dict]:
     """Runs every task under a tqdm bar on stderr (no bar when tqdm is missing); ``sink`` gets
     each task's records as soon as it is done (what a run cut short keeps)."""
     bar = None
@@ -195,8 +230,15 @@ def run_tasks(tasks: list[Task], progress: bool = True,
         try:
             t.records = t.fn()
         except Exception as e:  # a planning bug in one task must not lose the others
-            t.records = [{"suite": t.suite, "label": t.label, "status": "error",
-                          "error": short_error(e), "traceback": traceback.format_exc(limit=-4)}]
+            t.records = [
+                {
+                    "suite": t.suite,
+                    "label": t.label,
+                    "status": "error",
+                    "error": short_error(e),
+                    "traceback": traceback.format_exc(limit=-4),
+                }
+            ]
         for r in t.records:
             r["task"], r["task_s"] = t.label, round(time.perf_counter() - t0, 3)
         out.extend(t.records)

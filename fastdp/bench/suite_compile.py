@@ -1,4 +1,4 @@
-"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (issue 13).
+"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas.
 
 Per workload and replica count (CPU replicas ``['cpu'] * n``; replicas sharing cuda:0 when a GPU
 is present, unverified until a GPU run), timed interleaved:
@@ -34,10 +34,16 @@ from fastdp.bench.runner import Settings, Task, guarded, time_into
 
 COMPILED = ("floor_compiled", "fastdp_compiled", "fastdp_wrapper", "dp_algo_compiled")
 EAGER = ("floor", "fastdp")
-FLOOR = {"fastdp_compiled": "floor_compiled", "fastdp_wrapper": "floor_compiled",
-         "dp_algo_compiled": "floor_compiled", "fastdp": "floor"}
-_TORCH_DP = ("nn.DataParallel has no CPU replicas (without CUDA it calls the module directly), "
-             "and its replicate() corrupts a torch.compile'd module (RecursionError)")
+FLOOR = {
+    "fastdp_compiled": "floor_compiled",
+    "fastdp_wrapper": "floor_compiled",
+    "dp_algo_compiled": "floor_compiled",
+    "fastdp": "floor",
+}
+_TORCH_DP = (
+    "nn.DataParallel has no CPU replicas (without CUDA it calls the module directly), "
+    "and its replicate() corrupts a torch.compile'd module (RecursionError)"
+)
 
 
 def gelu_mlp(width: int, depth: int = 4, out: int = 8) -> nn.Sequential:
@@ -73,13 +79,21 @@ def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
     kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     table = WORKLOADS.get(s.profile, WORKLOADS["cpu"])
     ns = [n for n in s.replicas if n > 1] or [2]
-    return [Task("compile", f"{name} {kind} x{n}",
-                 lambda name=name, wb=wb, kind=kind, n=n: _run(s, name, wb, kind, n, options))
-            for name, wb in table.items() for kind in kinds for n in ns]
+    return [
+        Task(
+            "compile",
+            f"{name} {kind} x{n}",
+            lambda name=name, wb=wb, kind=kind, n=n: _run(s, name, wb, kind, n, options),
+        )
+        for name, wb in table.items()
+        for kind in kinds
+        for n in ns
+    ]
 
 
-def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int,
-         options: dict) -> list[dict]:
+def _run(
+    s: Settings, name: str, wb: tuple[int, int], kind: str, n: int, options: dict
+) -> list[dict]:
     import torch._dynamo
 
     import fastdp
@@ -94,9 +108,17 @@ def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int,
     args = (torch.randn(batch, width, device=dev),)
     chunks = modes.chunk_inputs(args, n)
     cm = torch.compile(model, **options)
-    base = {"suite": "compile", "workload": name, "input": "tensor", "replicas": n,
-            "devices": [str(torch.device(dev))] * n, "batch": batch, "width": width,
-            "step": "train", "compile_options": {k: str(v) for k, v in options.items()}}
+    base = {
+        "suite": "compile",
+        "workload": name,
+        "input": "tensor",
+        "replicas": n,
+        "devices": [str(torch.device(dev))] * n,
+        "batch": batch,
+        "width": width,
+        "step": "train",
+        "compile_options": {k: str(v) for k, v in options.items()},
+    }
     wrapper = fastdp.FastDataParallel(model, device_ids=ids)
     wrapper.compile(**options)
     calls: dict[str, tuple[Callable, nn.Module | None]] = {
@@ -110,6 +132,7 @@ def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int,
     recs = {m: {**base, "mode": m} for m in calls}
     steps: dict[str, Callable[[], None]] = {}
     for m, (call, ref) in calls.items():
+
         def setup(r: dict, m: str = m, call: Callable = call, ref: nn.Module | None = ref) -> None:
             step = modes.train_step(call, () if ref is None else args)
             before, t0 = _frames(), time.perf_counter()
@@ -118,8 +141,9 @@ def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int,
                 r["first_step_s"] = time.perf_counter() - t0
                 r["frames_first_step"] = _frames() - before
             if ref is not None and s.check:  # the wrapper against its module on the chunks
-                r["check"] = modes.check(ref, call, args, n, dev,
-                                         s.rtol_cuda if kind == "cuda" else s.rtol_cpu)
+                r["check"] = modes.check(
+                    ref, call, args, n, dev, s.rtol_cuda if kind == "cuda" else s.rtol_cpu
+                )
                 if not r["check"]["ok"]:
                     r["status"] = "check_failed"
             for _ in range(3):
@@ -129,6 +153,7 @@ def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int,
                 step()
             r["recompiles_20_steps"] = _counts() - before
             steps[m] = step
+
         guarded(recs[m], setup)
     model.zero_grad(set_to_none=True)
     time_into(s, steps, recs)
@@ -142,6 +167,7 @@ def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int,
 
 def _on_chunks(module: Callable, chunks: list[tuple]) -> Callable:
     """The module on the chunks in turn, outputs concatenated (the floor of a wrapper)."""
+
     def call() -> torch.Tensor:
         return modes.concat_outputs([module(*c) for c in chunks])
 

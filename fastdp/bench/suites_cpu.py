@@ -6,7 +6,7 @@
                   each launch strategy forced), fastdp without its extension and DataParallel's
                   algorithm, against the chunked floor and the bare module on the batch. The
                   compute-bound ``wide8`` runs on 2 replicas only (see ``WIDE_REPLICAS``).
-``overhead``      issue 4 point 7: per step (forward + backward, two samples per replica on 4
+``overhead``      per step (forward + backward, two samples per replica on 4
                   replicas) the host time and the Python calls of the wrapper, i.e. the step minus
                   the model's own work (the bare module run on the same 4 chunks in turn).
 ``replicate``     steady-state ``replicate()`` of an n-layer ``nn.Sequential`` of ``Linear(32, 32)``
@@ -29,29 +29,46 @@ from fastdp.bench.runner import Settings, Task, guarded, record_launch, time_int
 # What each profile runs (the workloads' sizes come from workloads.catalogue(profile)).
 _OVERHEAD = ["mlp10", "mlp100", "mlp1000", "resnet50", "transformer12"]
 PLAN = {
-    "tiny": {"passthrough": ["mlp10"], "cpu-replicas": ["mlp10", "mlp10-dict16", "wide8"],
-             "overhead": ["mlp10", "mlp100"], "replicate": [10, 100]},
-    "quick": {"passthrough": ["mlp10"],
-              "cpu-replicas": ["mlp100", "resnet50", "transformer12", "lstm", "mlp10-dict16",
-                               "wide8"],
-              "overhead": ["mlp10", "mlp100", "resnet50", "transformer12"],
-              "replicate": [10, 100, 1000]},
-    "cpu": {"passthrough": ["mlp10", "mlp100"],
-            "cpu-replicas": ["mlp100", "mlp1000", "resnet50", "transformer12", "lstm",
-                             "mlp10-dict16", "wide8"],
-            "overhead": _OVERHEAD, "replicate": [10, 30, 100, 300, 1000]},
+    "tiny": {
+        "passthrough": ["mlp10"],
+        "cpu-replicas": ["mlp10", "mlp10-dict16", "wide8"],
+        "overhead": ["mlp10", "mlp100"],
+        "replicate": [10, 100],
+    },
+    "quick": {
+        "passthrough": ["mlp10"],
+        "cpu-replicas": ["mlp100", "resnet50", "transformer12", "lstm", "mlp10-dict16", "wide8"],
+        "overhead": ["mlp10", "mlp100", "resnet50", "transformer12"],
+        "replicate": [10, 100, 1000],
+    },
+    "cpu": {
+        "passthrough": ["mlp10", "mlp100"],
+        "cpu-replicas": [
+            "mlp100",
+            "mlp1000",
+            "resnet50",
+            "transformer12",
+            "lstm",
+            "mlp10-dict16",
+            "wide8",
+        ],
+        "overhead": _OVERHEAD,
+        "replicate": [10, 30, 100, 300, 1000],
+    },
 }
 
 
-WIDE_REPLICAS = (2,)  # the compute-bound workload of issue 12: 2 CPU replicas
+WIDE_REPLICAS = (2,)  # the compute-bound workload: 2 CPU replicas, one per core
 
 
 def plan(profile: str, suite: str) -> list:
     return PLAN.get(profile, PLAN["cpu"])[suite]
 
 
-_TORCH_DP_CPU = ("nn.DataParallel has no CPU replicas: without CUDA it ignores device_ids and "
-                 "calls the module directly")
+_TORCH_DP_CPU = (
+    "nn.DataParallel has no CPU replicas: without CUDA it ignores device_ids and "
+    "calls the module directly"
+)
 
 
 def passthrough(s: Settings) -> list[Task]:
@@ -62,17 +79,29 @@ def passthrough(s: Settings) -> list[Task]:
 
     def run(w: wl.Workload, step: str) -> list[dict]:
         model, args = wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
-        recs = time_modes(s, suite="passthrough", w=w, model=model, args=args, devices=None,
-                          n=1, ref_device="cpu", step=step,
-                          mode_list=("bare", "torch_dp", "fastdp", "fastdp_noext"))
+        recs = time_modes(
+            s,
+            suite="passthrough",
+            w=w,
+            model=model,
+            args=args,
+            devices=None,
+            n=1,
+            ref_device="cpu",
+            step=step,
+            mode_list=("bare", "torch_dp", "fastdp", "fastdp_noext"),
+        )
         bare = recs[0].get("time_ms", {}).get("median_ms")
         for r in recs[1:]:
             if bare is not None and "time_ms" in r:
                 r["overhead_us"] = (r["time_ms"]["median_ms"] - bare) * 1e3
         return recs
 
-    return [Task("passthrough", f"{n} {step}", lambda w=cat[n], st=step: run(w, st))
-            for n in names for step in ("forward", "train")]
+    return [
+        Task("passthrough", f"{n} {step}", lambda w=cat[n], st=step: run(w, st))
+        for n in names
+        for step in ("forward", "train")
+    ]
 
 
 def cpu_replicas(s: Settings) -> list[Task]:
@@ -85,18 +114,45 @@ def cpu_replicas(s: Settings) -> list[Task]:
             cache.clear()  # one workload alive at a time
             cache[w.name] = (wl.build(w, "cpu"), wl.make_inputs(w, "cpu"))
         model, args = cache[w.name]
-        recs = time_modes(s, suite="cpu-replicas", w=w, model=model, args=args,
-                          devices=["cpu"] * n, n=n, ref_device="cpu",
-                          mode_list=("bare", "floor", "fastdp", "fastdp_threads",
-                                     "fastdp_inline", "fastdp_noext", "dp_algo"))
-        recs.append({"suite": "cpu-replicas", "workload": w.name, "input": w.input_kind,
-                     "mode": "torch_dp", "replicas": n, "devices": ["cpu"] * n,
-                     "step": "train", "status": "unsupported", "error": _TORCH_DP_CPU})
+        recs = time_modes(
+            s,
+            suite="cpu-replicas",
+            w=w,
+            model=model,
+            args=args,
+            devices=["cpu"] * n,
+            n=n,
+            ref_device="cpu",
+            mode_list=(
+                "bare",
+                "floor",
+                "fastdp",
+                "fastdp_threads",
+                "fastdp_inline",
+                "fastdp_noext",
+                "dp_algo",
+            ),
+        )
+        recs.append(
+            {
+                "suite": "cpu-replicas",
+                "workload": w.name,
+                "input": w.input_kind,
+                "mode": "torch_dp",
+                "replicas": n,
+                "devices": ["cpu"] * n,
+                "step": "train",
+                "status": "unsupported",
+                "error": _TORCH_DP_CPU,
+            }
+        )
         return recs
 
-    return [Task("cpu-replicas", f"{name} x{n}", lambda w=cat[name], n=n: run(w, n))
-            for name in plan(s.profile, "cpu-replicas")
-            for n in (WIDE_REPLICAS if name == "wide8" else s.replicas)]
+    return [
+        Task("cpu-replicas", f"{name} x{n}", lambda w=cat[name], n=n: run(w, n))
+        for name in plan(s.profile, "cpu-replicas")
+        for n in (WIDE_REPLICAS if name == "wide8" else s.replicas)
+    ]
 
 
 def _areas() -> dict[str, str]:
@@ -104,12 +160,16 @@ def _areas() -> dict[str, str]:
 
     fdp = os.path.dirname(os.path.abspath(fastdp.__file__))
     par = os.path.dirname(os.path.abspath(torch.nn.parallel.__file__))
-    return {"fastdp": fdp + os.sep, "torch.nn.parallel": par + os.sep,
-            "_exclude": os.path.join(fdp, "bench") + os.sep}
+    return {
+        "fastdp": fdp + os.sep,
+        "torch.nn.parallel": par + os.sep,
+        "_exclude": os.path.join(fdp, "bench") + os.sep,
+    }
 
 
-def overhead_tasks(s: Settings, device: str = "cpu", n: int = 4,
-                   per_replica: int = 2) -> list[Task]:
+def overhead_tasks(
+    s: Settings, device: str = "cpu", n: int = 4, per_replica: int = 2
+) -> list[Task]:
     """Host time and Python calls per step of the wrapper itself; see the module docstring.
 
     The batch is ``per_replica`` samples per replica (2: BatchNorm needs more than one value per
@@ -134,29 +194,47 @@ def overhead_tasks(s: Settings, device: str = "cpu", n: int = 4,
     dev = "cuda:0" if cuda else "cpu"
     ids = 0 if cuda else "cpu"
     runs = [("fastdp", n), ("fastdp_threads", n), ("fastdp_inline", n), ("dp_algo", n)] + (
-        [("torch_dp", n), ("torch_dp", 1)] if cuda else [])
+        [("torch_dp", n), ("torch_dp", 1)] if cuda else []
+    )
     suite = "overhead-cuda" if cuda else "overhead"
     sync = timing.cuda_sync([dev]) if cuda else None
 
     def run(w: wl.Workload) -> list[dict]:
         model = wl.build(w, dev)
         args = wl.make_inputs(w, dev, batch=n * per_replica)
-        base = {"suite": suite, "workload": w.name, "input": w.input_kind,
-                "batch": n * per_replica,
-                "layers": w.layers, "params": sum(1 for _ in model.parameters()),
-                "modules": sum(1 for _ in model.modules())}
+        base = {
+            "suite": suite,
+            "workload": w.name,
+            "input": w.input_kind,
+            "batch": n * per_replica,
+            "layers": w.layers,
+            "params": sum(1 for _ in model.parameters()),
+            "modules": sum(1 for _ in model.modules()),
+        }
         refs = {k: _model_step(model, args, k) for k in sorted({k for _, k in runs})}
-        recs = {("model_chunks", k): {**base, "mode": "model_chunks", "replicas": k,
-                                      "devices": [dev] * k} for k in refs}
-        recs.update({(m, k): {**base, "mode": m, "replicas": k, "devices": [dev] * k}
-                     for m, k in runs})
+        recs = {
+            ("model_chunks", k): {
+                **base,
+                "mode": "model_chunks",
+                "replicas": k,
+                "devices": [dev] * k,
+            }
+            for k in refs
+        }
+        recs.update(
+            {(m, k): {**base, "mode": m, "replicas": k, "devices": [dev] * k} for m, k in runs}
+        )
         for k, fn in refs.items():
-            guarded(recs[("model_chunks", k)],
-                    lambda r, fn=fn: _count(r, fn, timing.forward_codes(model)))
+            guarded(
+                recs[("model_chunks", k)],
+                lambda r, fn=fn: _count(r, fn, timing.forward_codes(model)),
+            )
         model.zero_grad(set_to_none=True)
         for m, k in runs:
-            guarded(recs[(m, k)], lambda r, m=m, k=k: _count_wrapper(
-                r, s, m, model, args, [ids] * k, dev))
+            guarded(
+                recs[(m, k)],
+                lambda r, m=m, k=k: _count_wrapper(r, s, m, model, args, [ids] * k, dev),
+            )
         model.zero_grad(set_to_none=True)
         _time_together(s, recs, refs, model, args, ids, sync)
         for (m, k), r in recs.items():
@@ -196,16 +274,29 @@ def _record_counts(r: dict, cc: timing.CallCounter, step) -> None:  # noqa: ANN0
     r["top_functions"] = cc.top()
 
 
-def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices: list,  # noqa: ANN001
-                   dev: str) -> None:
+def _count_wrapper(
+    r: dict,
+    s: Settings,
+    mode: str,
+    model,
+    args: tuple,
+    devices: list,  # noqa: ANN001
+    dev: str,
+) -> None:
     """Checks, then counts a wrapper's step. The counter is entered before the wrapper exists so
     that any thread the wrapper starts carries the hook."""
     codes = timing.forward_codes(model)
     with timing.CallCounter(_areas(), codes) as cc, modes.wrapped(mode, model, devices) as call:
         if s.check:
             with modes.mode_context(mode):
-                r["check"] = modes.check(model, call, args, len(devices), dev,
-                                         s.rtol_cuda if "cuda" in dev else s.rtol_cpu)
+                r["check"] = modes.check(
+                    model,
+                    call,
+                    args,
+                    len(devices),
+                    dev,
+                    s.rtol_cuda if "cuda" in dev else s.rtol_cpu,
+                )
             if not r["check"]["ok"]:
                 r["status"] = "check_failed"
         step = modes.in_mode(mode, modes.train_step(call, args))
@@ -218,8 +309,11 @@ def _count_wrapper(r: dict, s: Settings, mode: str, model, args: tuple, devices:
 
 def _time_together(s: Settings, recs: dict, refs: dict, model, args, ids, sync) -> None:  # noqa: ANN001
     """Times every run that counted without error, interleaved, with fresh wrappers."""
-    fns = {("model_chunks", k): fn for k, fn in refs.items()
-           if recs[("model_chunks", k)].get("status") == "ok"}
+    fns = {
+        ("model_chunks", k): fn
+        for k, fn in refs.items()
+        if recs[("model_chunks", k)].get("status") == "ok"
+    }
     calls = {}
     with contextlib.ExitStack() as stack:
         for (m, k), r in recs.items():
@@ -260,20 +354,33 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
         torch.manual_seed(0)
         model = wl.mlp(k).train()
         x = torch.randn(2, 32)
-        base = {"suite": "replicate", "workload": f"mlp{k}", "layers": k, "replicas": n,
-                "devices": ["cpu"] * n, "params": 2 * k, "modules": k + 1}
+        base = {
+            "suite": "replicate",
+            "workload": f"mlp{k}",
+            "layers": k,
+            "replicas": n,
+            "devices": ["cpu"] * n,
+            "params": 2 * k,
+            "modules": k + 1,
+        }
         fdp = fastdp.FastDataParallel(model, device_ids=["cpu"] * n)
         ids = fdp.device_ids
-        impls = {"fastdp": lambda: fdp.replicate(fdp.module, ids),
-                 "dp_algo": lambda: fresh(model, ids, not torch.is_grad_enabled())}
+        impls = {
+            "fastdp": lambda: fdp.replicate(fdp.module, ids),
+            "dp_algo": lambda: fresh(model, ids, not torch.is_grad_enabled()),
+        }
         recs = {m: {**base, "mode": m} for m in impls}
         for m, fn in impls.items():
+
             def check(r: dict, fn=fn) -> None:
                 reps = fn()
                 want = model(x)
                 err = max((rep(x) - want).abs().max().item() for rep in reps)
-                r["check"] = {"ok": len(reps) == n and err <= 1e-6 * max(
-                    1.0, want.abs().max().item()), "max_abs_err": err, "replicas": len(reps)}
+                r["check"] = {
+                    "ok": len(reps) == n and err <= 1e-6 * max(1.0, want.abs().max().item()),
+                    "max_abs_err": err,
+                    "replicas": len(reps),
+                }
                 if not r["check"]["ok"]:
                     r["status"] = "check_failed"
                 consume_graph(reps)
@@ -285,8 +392,15 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
 
             guarded(recs[m], check)
         model.zero_grad(set_to_none=True)
-        time_into(s, {m: (impls[m], consume_graph) for m, r in recs.items()
-                      if r["status"] in ("ok", "check_failed")}, recs)
+        time_into(
+            s,
+            {
+                m: (impls[m], consume_graph)
+                for m, r in recs.items()
+                if r["status"] in ("ok", "check_failed")
+            },
+            recs,
+        )
         model.zero_grad(set_to_none=True)
         return list(recs.values())
 
@@ -301,9 +415,11 @@ def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
     The record says whether ``nn.Module``'s attributes are torch's own in both states."""
 
     def untouched() -> bool:
-        return all(getattr(f, "__module__", "torch").startswith("torch")
-                   and not hasattr(f, "__wrapped__") for f in vars(nn.Module).values()
-                   if callable(f))
+        return all(
+            getattr(f, "__module__", "torch").startswith("torch") and not hasattr(f, "__wrapped__")
+            for f in vars(nn.Module).values()
+            if callable(f)
+        )
 
     def run() -> list[dict]:
         import gc
@@ -317,7 +433,7 @@ def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
         clean = untouched()
         names = list(recs)
         for r in range(s.warmup + s.repeats):
-            for mode in names[r % 2:] + names[:r % 2]:
+            for mode in names[r % 2 :] + names[: r % 2]:
                 alive = None
                 if mode == "with":
                     alive = fastdp.FastDataParallel(wl.mlp(2), device_ids=["cpu"] * 2)
@@ -336,4 +452,3 @@ def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
         return list(recs.values())
 
     return [Task("module-build", f"mlp{layers}", run)]
-

@@ -76,7 +76,8 @@ def comm_sizes(profile: str) -> list[int]:
 def _exact(got, want) -> bool:  # noqa: ANN001
     got, want = wl.tensors_of(got), wl.tensors_of(want)
     return len(got) == len(want) and all(
-        a.device == b.device and torch.equal(a, b) for a, b in zip(got, want))
+        a.device == b.device and torch.equal(a, b) for a, b in zip(got, want)
+    )
 
 
 def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple[dict, int]:
@@ -92,19 +93,46 @@ def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple
     ops = {
         "limit_h2d": ("limit", {"copy": lambda: dst_h2d.copy_(pinned, non_blocking=True)}, None),
         "limit_d2d": ("limit", {"copy": lambda: dst_far.copy_(x, non_blocking=True)}, None),
-        "scatter_gpu": ("scatter", {"torch": lambda: tcomm.scatter(x, devices),
-                                    "fastdp": lambda: fcomm.scatter(x, devices)}, chunks),
-        "scatter_pinned": ("scatter", {"torch": lambda: tcomm.scatter(pinned, devices),
-                                       "fastdp": lambda: fcomm.scatter(pinned, devices)}, chunks),
-        "scatter_pageable": ("scatter", {
-            "torch": lambda: tcomm.scatter(pageable, devices),
-            "fastdp": lambda: fcomm.scatter(pageable, devices)}, chunks),
-        "gather": ("gather", {"torch": lambda: tcomm.gather(chunks, 0, devices[0]),
-                              "fastdp": lambda: fcomm.gather(chunks, 0, devices[0])}, x),
-        "broadcast_coalesced": ("broadcast", {
-            "torch": lambda: tcomm.broadcast_coalesced(params, devices),
-            "fastdp": lambda: fcomm.broadcast_coalesced(params, devices)},
-            [[p.to(d) for p in params] for d in devs]),
+        "scatter_gpu": (
+            "scatter",
+            {
+                "torch": lambda: tcomm.scatter(x, devices),
+                "fastdp": lambda: fcomm.scatter(x, devices),
+            },
+            chunks,
+        ),
+        "scatter_pinned": (
+            "scatter",
+            {
+                "torch": lambda: tcomm.scatter(pinned, devices),
+                "fastdp": lambda: fcomm.scatter(pinned, devices),
+            },
+            chunks,
+        ),
+        "scatter_pageable": (
+            "scatter",
+            {
+                "torch": lambda: tcomm.scatter(pageable, devices),
+                "fastdp": lambda: fcomm.scatter(pageable, devices),
+            },
+            chunks,
+        ),
+        "gather": (
+            "gather",
+            {
+                "torch": lambda: tcomm.gather(chunks, 0, devices[0]),
+                "fastdp": lambda: fcomm.gather(chunks, 0, devices[0]),
+            },
+            x,
+        ),
+        "broadcast_coalesced": (
+            "broadcast",
+            {
+                "torch": lambda: tcomm.broadcast_coalesced(params, devices),
+                "fastdp": lambda: fcomm.broadcast_coalesced(params, devices),
+            },
+            [[p.to(d) for p in params] for d in devs],
+        ),
     }
     return ops, len(params)
 
@@ -124,6 +152,7 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
         fns = {}
         for op, (kind, impls, ref) in ops.items():
             for impl, fn in impls.items():
+
                 def check(r: dict, fn=fn, ref=ref) -> None:
                     got = fn()
                     if ref is not None:
@@ -131,10 +160,19 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
                         if not r["check"]["ok"]:
                             r["status"] = "check_failed"
 
-                recs[(op, impl)] = guarded({
-                    "suite": suite, "op": op, "kind": kind, "mode": impl,
-                    "bytes": x.numel() * 4, "devices": [str(d) for d in devs], "replicas": n,
-                    "tensors": tensors if kind == "broadcast" else 1}, check)
+                recs[(op, impl)] = guarded(
+                    {
+                        "suite": suite,
+                        "op": op,
+                        "kind": kind,
+                        "mode": impl,
+                        "bytes": x.numel() * 4,
+                        "devices": [str(d) for d in devs],
+                        "replicas": n,
+                        "tensors": tensors if kind == "broadcast" else 1,
+                    },
+                    check,
+                )
                 if recs[(op, impl)]["status"] in ("ok", "check_failed"):
                     fns[(op, impl)] = fn
         time_into(s, fns, recs, sync)
@@ -144,8 +182,9 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
                 r["gbps"] = r["bytes"] / (r["time_ms"]["median_ms"] * 1e-3) / 1e9
         limits = {r["op"]: r for r in out if r["kind"] == "limit" and "gbps" in r}
         for r in out:
-            lim = limits.get("limit_h2d" if r["op"] in ("scatter_pinned", "scatter_pageable")
-                             else "limit_d2d")
+            lim = limits.get(
+                "limit_h2d" if r["op"] in ("scatter_pinned", "scatter_pageable") else "limit_d2d"
+            )
             if r["kind"] != "limit" and lim and "gbps" in r:
                 r["limit_op"], r["limit_gbps"] = lim["op"], lim["gbps"]
                 r["frac_of_limit"] = r["gbps"] / lim["gbps"]
@@ -178,10 +217,15 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
             "torch_broadcast": lambda: tcomm.broadcast_coalesced(params, d),
             "fastdp_broadcast": lambda: fcomm.broadcast_coalesced(params, d),
         }
-        base = {"suite": suite, "workload": w.name, "layers": w.layers,
-                "replicas": len(devices), "devices": [str(dev(i)) for i in devices],
-                "params": len(params),
-                "param_bytes": sum(p.numel() * p.element_size() for p in params)}
+        base = {
+            "suite": suite,
+            "workload": w.name,
+            "layers": w.layers,
+            "replicas": len(devices),
+            "devices": [str(dev(i)) for i in devices],
+            "params": len(params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        }
         replicating = ("torch", "dp_algo", "fastdp")  # their graph is consumed after each call
 
         def first(r: dict, m: str) -> None:
@@ -190,9 +234,16 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
                 consume_graph(out)
 
         recs = {m: guarded({**base, "mode": m}, lambda r, m=m: first(r, m)) for m in impls}
-        time_into(s, {m: (fn, consume_graph) if m in replicating else fn
-                      for m, fn in impls.items() if recs[m]["status"] == "ok"}, recs,
-                  _sync(devices))
+        time_into(
+            s,
+            {
+                m: (fn, consume_graph) if m in replicating else fn
+                for m, fn in impls.items()
+                if recs[m]["status"] == "ok"
+            },
+            recs,
+            _sync(devices),
+        )
         model.zero_grad(set_to_none=True)
         return list(recs.values())
 
@@ -216,8 +267,9 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
     if s.profile == "tiny":
         combos = [("mlp10", "cuda"), ("mlp10", "cpu-pinned")]
     else:
-        combos = [(n, "cuda") for n in ("mlp1000", "resnet50", "transformer12", "lstm",
-                                         "mlp10-dict16")]
+        combos = [
+            (n, "cuda") for n in ("mlp1000", "resnet50", "transformer12", "lstm", "mlp10-dict16")
+        ]
         combos += [(n, w) for n in ("resnet50", "mlp10") for w in ("cpu-pageable", "cpu-pinned")]
         if multi:  # wide8 at the gpu profile: 134M parameters, the refresh/reduce-bound case
             combos.append(("wide8", "cuda"))
@@ -228,20 +280,32 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
         if (w.name, where) not in cache:
             cache.clear()  # one model alive at a time
             args = wl.make_inputs(w, dev(0) if where == "cuda" else "cpu")
-            cache[(w.name, where)] = (wl.build(w, dev(0)),
-                                      wl.map_tensors(args, _pin) if where == "cpu-pinned"
-                                      else args)
+            cache[(w.name, where)] = (
+                wl.build(w, dev(0)),
+                wl.map_tensors(args, _pin) if where == "cpu-pinned" else args,
+            )
         return cache[(w.name, where)]
 
     def run(w: wl.Workload, where: str, devices: list[int]) -> list[dict]:
         model, args = model_and_args(w, where)
-        return time_modes(s, suite=suite, w=w, model=model, args=args, devices=ids(devices),
-                          n=len(devices), ref_device=dev(0),
-                          input_kind=w.input_kind if where == "cuda"
-                          else f"{w.input_kind}:{where}",
-                          mode_list=("bare", "floor") + modes.WRAPPERS,
-                          bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),
-                          sync=_sync(devices), extra={"distinct_gpus": len(set(devices))})
+        return time_modes(
+            s,
+            suite=suite,
+            w=w,
+            model=model,
+            args=args,
+            devices=ids(devices),
+            n=len(devices),
+            ref_device=dev(0),
+            input_kind=w.input_kind if where == "cuda" else f"{w.input_kind}:{where}",
+            mode_list=("bare", "floor") + modes.WRAPPERS,
+            bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),
+            sync=_sync(devices),
+            extra={"distinct_gpus": len(set(devices))},
+        )
 
-    return [Task(suite, f"{name} {where} {devs}", lambda w=cat[name], x=where, d=devs:
-                 run(w, x, d)) for name, where in combos for devs in sets]
+    return [
+        Task(suite, f"{name} {where} {devs}", lambda w=cat[name], x=where, d=devs: run(w, x, d))
+        for name, where in combos
+        for devs in sets
+    ]

@@ -35,8 +35,15 @@ class Stats:
     @classmethod
     def of(cls, ms: list[float], *, repeats: int, inner: int, warmup: int) -> Stats:
         """The statistics of ``ms``, one time per repeat in milliseconds."""
-        return cls(min_ms=min(ms), median_ms=statistics.median(ms), max_ms=max(ms),
-                   mean_ms=statistics.fmean(ms), repeats=repeats, inner=inner, warmup=warmup)
+        return cls(
+            min_ms=min(ms),
+            median_ms=statistics.median(ms),
+            max_ms=max(ms),
+            mean_ms=statistics.fmean(ms),
+            repeats=repeats,
+            inner=inner,
+            warmup=warmup,
+        )
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -114,7 +121,7 @@ def measure_many(
     times: dict[str, list[float]] = {k: [] for k in pairs}
     names = list(pairs)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, after = pairs[name]
             if after is not None:
                 times[name].append(once(fn, after) * 1e3)
@@ -223,15 +230,23 @@ class CallCounter:
                 fn()
         finally:
             self._on = False
-        return {"total": self.count / steps, "model": self.model_count / steps,
-                "outside": (self.count - self.model_count) / steps}
+        return {
+            "total": self.count / steps,
+            "model": self.model_count / steps,
+            "outside": (self.count - self.model_count) / steps,
+        }
 
     def top(self, n: int = 12) -> list[list]:
         """The ``n`` most called functions outside the model during the last ``counted``, per
         step, as ``[path/to/file.py:line function, calls]`` (last three path components)."""
         rows = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
-        return [[f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}",
-                 k / self._steps] for c, k in rows]
+        return [
+            [
+                f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}",
+                k / self._steps,
+            ]
+            for c, k in rows
+        ]
 
     def area_counts(self) -> dict[str, float]:
         """Calls per step outside the model in each area during the last ``counted``."""

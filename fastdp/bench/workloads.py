@@ -125,14 +125,20 @@ def _dict16(width: int) -> Callable[[int, torch.device | str], tuple]:
 # Per-profile sizes: batch of the MLPs, CNN (base width, image side, batch), transformer (d_model,
 # heads, feed-forward, sequence, batch), LSTM (hidden, sequence, batch).
 _SIZES = {
-    "tiny": dict(wide=(64, 32), mlp_b=8, cnn=(4, 16, 4), tf=(16, 2, 32, 8, 4),
-                 lstm=(16, 8, 4)),
-    "quick": dict(wide=(256, 128), mlp_b=16, cnn=(8, 16, 8), tf=(32, 4, 64, 16, 8),
-                  lstm=(32, 16, 8)),
-    "cpu": dict(wide=(1024, 512), mlp_b=64, cnn=(16, 32, 8), tf=(64, 4, 256, 32, 16),
-                lstm=(64, 32, 16)),
-    "gpu": dict(wide=(4096, 4096), mlp_b=1024, cnn=(64, 128, 64), tf=(512, 8, 2048, 128, 64),
-                lstm=(512, 128, 64)),
+    "tiny": dict(wide=(64, 32), mlp_b=8, cnn=(4, 16, 4), tf=(16, 2, 32, 8, 4), lstm=(16, 8, 4)),
+    "quick": dict(
+        wide=(256, 128), mlp_b=16, cnn=(8, 16, 8), tf=(32, 4, 64, 16, 8), lstm=(32, 16, 8)
+    ),
+    "cpu": dict(
+        wide=(1024, 512), mlp_b=64, cnn=(16, 32, 8), tf=(64, 4, 256, 32, 16), lstm=(64, 32, 16)
+    ),
+    "gpu": dict(
+        wide=(4096, 4096),
+        mlp_b=1024,
+        cnn=(64, 128, 64),
+        tf=(512, 8, 2048, 128, 64),
+        lstm=(512, 128, 64),
+    ),
 }
 
 
@@ -145,13 +151,23 @@ def catalogue(profile: str) -> dict[str, Workload]:
     out: dict[str, Workload] = {}
     for n in (10, 100, 1000):
         out[f"mlp{n}"] = Workload(
-            f"mlp{n}", "mlp", lambda n=n: mlp(n), _randn(32), s["mlp_b"], layers=n,
+            f"mlp{n}",
+            "mlp",
+            lambda n=n: mlp(n),
+            _randn(32),
+            s["mlp_b"],
+            layers=n,
             desc=f"{n} x Linear(32, 32)",
         )
     out["resnet50"] = Workload(
-        "resnet50", "cnn", lambda: resnet50_shaped(base), _randn(3, side, side), cnn_b,
-        layers=53, desc=f"ResNet-50-shaped, bottlenecks [3,4,6,3], base width {base}, "
-        f"{side}x{side} images", meta={"base": base, "side": side},
+        "resnet50",
+        "cnn",
+        lambda: resnet50_shaped(base),
+        _randn(3, side, side),
+        cnn_b,
+        layers=53,
+        desc=f"ResNet-50-shaped, bottlenecks [3,4,6,3], base width {base}, {side}x{side} images",
+        meta={"base": base, "side": side},
     )
 
     def transformer() -> nn.Module:
@@ -159,20 +175,41 @@ def catalogue(profile: str) -> dict[str, Workload]:
         return nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
 
     out["transformer12"] = Workload(
-        "transformer12", "transformer", transformer, _randn(seq, d), tf_b, layers=12,
+        "transformer12",
+        "transformer",
+        transformer,
+        _randn(seq, d),
+        tf_b,
+        layers=12,
         desc=f"nn.TransformerEncoder, 12 layers, d_model {d}, {heads} heads, ff {ff}, seq {seq}",
     )
     out["lstm"] = Workload(
-        "lstm", "lstm", lambda: LSTMNet(32, hid), _randn(lseq, 32), lstm_b, layers=2,
+        "lstm",
+        "lstm",
+        lambda: LSTMNet(32, hid),
+        _randn(lseq, 32),
+        lstm_b,
+        layers=2,
         desc=f"2-layer LSTM, hidden {hid}, seq {lseq}",
     )
     out["mlp10-dict16"] = Workload(
-        "mlp10-dict16", "mlp", lambda: DictMLP(), _dict16(32), s["mlp_b"], input_kind="dict16",
-        layers=26, desc="dict of 16 tensors -> 16 Linear(32,32) summed -> 10 x Linear(32,32)",
+        "mlp10-dict16",
+        "mlp",
+        lambda: DictMLP(),
+        _dict16(32),
+        s["mlp_b"],
+        input_kind="dict16",
+        layers=26,
+        desc="dict of 16 tensors -> 16 Linear(32,32) summed -> 10 x Linear(32,32)",
     )
     width, wide_b = s["wide"]
     out["wide8"] = Workload(
-        "wide8", "mlp", lambda: mlp(8, width), _randn(width), wide_b, layers=8,
+        "wide8",
+        "mlp",
+        lambda: mlp(8, width),
+        _randn(width),
+        wide_b,
+        layers=8,
         desc=f"8 x Linear({width}, {width}): compute-bound",
     )
     return out
@@ -184,8 +221,13 @@ def build(w: Workload, device: torch.device | str, seed: int = 0) -> nn.Module:
     return w.build().to(device).train()
 
 
-def make_inputs(w: Workload, device: torch.device | str, batch: int | None = None,
-                pin: bool = False, seed: int = 1) -> tuple:
+def make_inputs(
+    w: Workload,
+    device: torch.device | str,
+    batch: int | None = None,
+    pin: bool = False,
+    seed: int = 1,
+) -> tuple:
     """Deterministic inputs; ``pin=True`` pins CPU tensors (page-locked host memory)."""
     g = torch.random.get_rng_state()
     torch.manual_seed(seed)
