@@ -21,7 +21,7 @@ from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _torch_private, _tree, engine, strategies
-from fastdp import balance as _balance  # [beyond DP] extensions of issue 6 (own modules)
+from fastdp import balance as _balance  # [beyond DP] chunk sizes and shares per device
 from fastdp._accumulate import fold
 from fastdp._compiled import (
     backward_with_forward,
@@ -100,8 +100,9 @@ class FastDataParallel(DataParallel):
         scalar_outputs: keyword-only; how 0-dim outputs (a loss per replica) are gathered:
             ``"stack"`` (DataParallel's vector and warning), ``"mean"`` (one 0-dim value, the
             replicas' values weighted by their rows: the whole-batch mean of a per-sample mean
-            loss, so a later ``.mean()`` changes nothing) or ``"sum"`` (for losses already
-            normalised by a global count, as HF Trainer's ``num_items_in_batch`` losses are).
+            loss, so a later ``.mean()`` changes nothing) or ``"sum"`` (the replicas' sum, for
+            losses each replica normalised by a global count and used as they are; not for HF
+            Trainer, which multiplies by n_gpu: keep the default ``"stack"`` there).
 
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
@@ -309,8 +310,9 @@ class FastDataParallel(DataParallel):
     def comm_stats(self) -> dict[str, int]:
         """This step's replication traffic: ``buckets`` (the replica set's buckets, parameters
         and buffers), ``broadcasts`` and ``reduces`` (one per bucket, whatever the number of
-        devices; without the extension one reduce node serves all buckets), ``bytes_broadcast``, ``bytes_reduced``. Zeroed when a forward starts, updated
-        as each call is issued (a backward hook sees the reduces so far). Persistent replicas
+        devices; without the extension one reduce node serves all buckets),
+        ``bytes_broadcast``, ``bytes_reduced``. Zeroed when a forward starts, updated as each
+        call is issued (a backward hook sees the reduces so far). Persistent replicas
         only (``persistent=False`` replicates with ``fastdp.comm`` and counts nothing)."""
         return dict(self._comm)
 
