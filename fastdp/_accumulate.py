@@ -102,8 +102,15 @@ class LeafAccumulation:
         self.seal()
         return self.replicas
 
-    def drop_pending(self) -> None:
-        for row in self.leaves or ():
+    def drop_pending(self, zeros: bool = False) -> None:
+        """Forget the pending gradients; ``zeros``: ``zero_grad(set_to_none=False)``, which
+        leaves zeros where plain accumulation would have had a gradient."""
+        rows = self.leaves or ()
+        if zeros and any(leaf.grad is not None for row in rows for leaf in row):
+            for s in self.sources:  # a reduce gives every source a gradient (zeros if unused)
+                if s.grad is None and s.requires_grad:
+                    s.grad = torch.zeros_like(s)
+        for row in rows:
             for leaf in row:
                 leaf.grad = None
 

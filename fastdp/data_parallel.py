@@ -299,7 +299,7 @@ class FastDataParallel(DataParallel):
         """``Module.zero_grad``, also dropping gradients pending under ``no_sync()``."""
         super().zero_grad(set_to_none)
         for rs in self._pending_sets.values():
-            rs.drop_pending()
+            rs.drop_pending(zeros=not set_to_none)
 
     def _fold_pending(self) -> None:
         pending = [p for p in (rs.take_pending() for rs in self._pending_sets.values()) if p]

@@ -126,6 +126,7 @@ class ReplicaSet(LeafAccumulation):
         self.shared_versions: list[int] = []
         self.warned_shared = False
         self.copied: list[int] | None = None  # the sources' versions at the last no_sync copy
+        self.row0_originals = False  # see refresh()
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self.tensors = self._new_tensors()
             self._new_buffer_copies()
@@ -247,7 +248,7 @@ class ReplicaSet(LeafAccumulation):
         """Every replica's slots at the tensors of this mode (leaves or linked tensors)."""
         rows = self.leaves if self.leaf_mode else self.tensors
         for j, row in enumerate(self.copies):
-            row_tensors = rows[j]
+            row_tensors = self.sources if j == 0 and self.row0_originals else rows[j]
             for i, key, k in self.slots:
                 r, t = row[i], row_tensors[k]
                 if key in r._buffers:
@@ -333,6 +334,11 @@ class ReplicaSet(LeafAccumulation):
             self._point_slots()
         if self._tainted():
             self._renew_all()
+        if self.row0_originals == torch.is_grad_enabled():
+            # DataParallel's replicate(detach=True) gives replica 0 the original tensors
+            # themselves (a forward's .data = reaches them); with grad, views of them
+            self.row0_originals = not self.row0_originals
+            self._point_slots()
         if (no_sync and self.any_grad and torch.is_grad_enabled()
                 and not has_grad_hooks(self.sources)):  # NOTE [ no_sync ]
             return Replicas(self._refresh_no_sync(), self)
@@ -360,7 +366,8 @@ class ReplicaSet(LeafAccumulation):
         self.attrs.seal()
         if self.held is None:
             rows = self.leaves if self.leaf_mode else self.tensors
-            self.held = [t for row in rows for t in row] + [
+            # row 0 on the originals: those are checked by the wrapper's signature
+            self.held = [t for row in rows[1 if self.row0_originals else 0:] for t in row] + [
                 t for row in self.buffer_copies for t in row]
             self.held_ptrs = list(map(torch.Tensor.data_ptr, self.held))
             frozen = [k for k, s in enumerate(self.sources) if not s.requires_grad]

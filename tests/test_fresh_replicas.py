@@ -359,3 +359,25 @@ def test_memory_is_reported_and_bounded(storage):
     for batch, copies in [(8, 3), (6, 3 + 2), (2, 2 + 1), (8, 1 + 3)]:  # 4, 3, 2, 4 replicas
         fast(x[:batch]).sum().backward()
         assert fast.memory_stats()["cpu"] == {"replicas": copies * per_copy, "staging": 0}
+
+
+def test_no_grad_data_assignment_reaches_the_originals_as_in_dataparallel():
+    """Under no_grad DataParallel's replica 0 holds the original tensors themselves."""
+    pair = _pair(MaxNorm())
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        outs = [w(x) for w in pair]
+    torch.testing.assert_close(outs[0], outs[1])
+    _assert_same(*pair)
+    _train(pair, steps=2)
+
+
+def test_zero_grad_keeping_tensors_after_no_sync_micro_steps():
+    pair = _pair(Three())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for w in pair:
+        with w.no_sync():
+            w(x).pow(2).sum().backward()
+        w.zero_grad(set_to_none=False)
+    _assert_same(*pair)
+    assert torch.count_nonzero(pair[0].module.a.weight.grad) == 0
