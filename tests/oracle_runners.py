@@ -118,9 +118,10 @@ class Chunked(Runner):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, keep: bool = False) -> torch.Tensor:
         if not keep:
             self.live = []
+        chunks = list(zip(x.chunk(self.n), idx.chunk(self.n)))
+        copies = [copy.deepcopy(self.model) for _ in chunks]  # all before any chunk runs
         outs = []
-        for i, (xc, ic) in enumerate(zip(x.chunk(self.n), idx.chunk(self.n))):
-            c = copy.deepcopy(self.model)
+        for i, ((xc, ic), c) in enumerate(zip(chunks, copies)):
             for p in c.parameters():
                 p.grad = None
             self.live.append(dict(c.named_parameters()))
@@ -137,13 +138,20 @@ class Chunked(Runner):
         return [self.forward(*b, keep=True) for b in batches]
 
     def _write_back(self, c: nn.Module, held: dict) -> None:
-        """Chunk 0's in-place writes to tensors its copy still holds reach the originals."""
+        """Chunk 0's in-place writes to tensors its copy still holds reach the originals; under
+        no_grad, so does ``.data =`` (DataParallel's replica 0 then holds the original tensors:
+        ``broadcast_coalesced`` returns its inputs for the source device)."""
         mine = dict(_tensors(self.model))
+        grad = torch.is_grad_enabled()
         with torch.no_grad():
             for name, t in _tensors(c):
-                if name in held and held[name][0] is t and held[name][1] == t.data_ptr():
-                    if name in mine and not torch.equal(mine[name], t):
+                if name not in held or held[name][0] is not t or name not in mine:
+                    continue
+                if held[name][1] == t.data_ptr():
+                    if not torch.equal(mine[name], t):
                         mine[name].copy_(t)
+                elif not grad:
+                    mine[name].data = t.data
 
     def _copies_of(self, names: list[str]) -> list[list[torch.Tensor]]:
         return [[c[n] for n in names] for c in self.live]
@@ -185,6 +193,7 @@ class Chunked(Runner):
         self.model.zero_grad(set_to_none)
 
     def add_hook(self, name: str, fn: Any) -> None:
+        self.param(name).register_hook(fn).remove()  # raises as the wrappers' runners do
         self.hooks.setdefault(name, []).append(fn)
 
 

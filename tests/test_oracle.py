@@ -52,7 +52,8 @@ from fastdp import engine
 
 OPERATIONS = ("no_sync", "optimizer", "load_state_dict", "inplace_edit", "requires_grad",
               "train_eval", "failing", "threads", "no_grad_forward", "orig_hook",
-              "autograd_grad", "backward_inputs", "retain_graph", "accumulate", "partial_batch")
+              "autograd_grad", "backward_inputs", "retain_graph", "accumulate", "partial_batch",
+              "zero_grad_pending")
 LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
 _unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)
 assert not _unknown, f"FASTDP_ORACLE_SKIP: unknown names {sorted(_unknown)}"
@@ -197,6 +198,8 @@ class Oracle(RuleBasedStateMachine):
 
     @rule(set_to_none=st.booleans())
     def zero_grad(self, set_to_none):
+        if self.pending and "zero_grad_pending" in LEFT_OUT:
+            set_to_none = True
         self.each(lambda r: r.zero_grad(set_to_none))
         self.pending = False
 
