@@ -6,7 +6,8 @@ Each owns a deepcopy of one model and its own optimizers, and offers the same op
 DataParallel's semantics by hand: each chunk runs through a fresh deepcopy of the model (a fresh
 replica: whatever a forward rebinds on it is gone by the next step); in-place writes of chunk 0's
 copy to tensors it still holds reach the originals (replica 0 shares their storage); gradients of
-the copies are summed into the originals' ``.grad``, through the hooks registered on the originals.
+the copies are summed into the originals' ``.grad``, through the hooks registered on the
+originals; parameters that need a gradient and got none get zeros (DataParallel's ``Broadcast``).
 """
 
 from __future__ import annotations
@@ -170,13 +171,20 @@ class Chunked(Runner):
     def backward(self, loss: torch.Tensor, names: list[str] | None = None, **kw: Any) -> None:
         inputs = None if names is None else [t for row in self._copies_of(names) for t in row]
         loss.backward(inputs=inputs, **kw)
+        totals = {}
+        for name in self.live[0] if self.live else ():
+            rows = self._copies_of([name])
+            totals[name] = self._total(name, [row[0].grad for row in rows])
+            for row in rows:
+                row[0].grad = None
+        reached = any(t is not None for t in totals.values())
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                rows = self._copies_of([name])
-                total = self._total(name, [row[0].grad for row in rows])
-                for row in rows:
-                    row[0].grad = None
-                if total is not None:
+                total = totals.get(name)
+                if total is None and reached and p.requires_grad and p.grad is None and (
+                        names is None or name in names):
+                    p.grad = torch.zeros_like(p)  # DataParallel's Broadcast: unused get zeros
+                elif total is not None:
                     p.grad = total.clone() if p.grad is None else p.grad + total
 
     def grad(self, loss: torch.Tensor, names: list[str]) -> tuple:

@@ -20,7 +20,7 @@ With CPU replicas sharing the originals' storage (the default), an in-place para
 forward lands once per replica (documented); the ``inplace_param`` feature runs only under
 ``FASTDP_CPU_DISTINCT=1``, where replica 0's write alone must reach the originals.
 
-Environment: ``FASTDP_ORACLE_EXAMPLES`` (programs per backend and storage mode; default 12,
+Environment: ``FASTDP_ORACLE_EXAMPLES`` (programs per backend and storage mode; default 100,
 derandomized), ``FASTDP_ORACLE_STEPS`` (operations per program, default 10),
 ``FASTDP_ORACLE_SEED`` (a seed instead of derandomizing), ``FASTDP_ORACLE_SKIP`` (comma-separated
 feature or operation names to leave out of the grammar; default none). Deep run:
@@ -312,7 +312,7 @@ class Oracle(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FASTDP_ORACLE_EXAMPLES", "12")),
+    max_examples=int(os.environ.get("FASTDP_ORACLE_EXAMPLES", "100")),
     stateful_step_count=int(os.environ.get("FASTDP_ORACLE_STEPS", "10")),
     derandomize="FASTDP_ORACLE_SEED" not in os.environ,
     database=None,
