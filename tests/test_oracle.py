@@ -20,7 +20,7 @@ With CPU replicas sharing the originals' storage (the default), an in-place para
 forward lands once per replica (documented); the ``inplace_param`` feature runs only under
 ``FASTDP_CPU_DISTINCT=1``, where replica 0's write alone must reach the originals.
 
-Environment: ``FASTDP_ORACLE_EXAMPLES`` (programs per backend and storage mode; default 100,
+Environment: ``FASTDP_ORACLE_EXAMPLES`` (programs per backend and storage mode; default 200,
 derandomized), ``FASTDP_ORACLE_STEPS`` (operations per program, default 10),
 ``FASTDP_ORACLE_SEED`` (a seed instead of derandomizing), ``FASTDP_ORACLE_SKIP`` (comma-separated
 feature or operation names to leave out of the grammar; default none). Deep run:
@@ -261,12 +261,16 @@ class Oracle(RuleBasedStateMachine):
         self.each(load)
 
     @on("requires_grad")
-    @rule(which=st.integers(-1, 30), flag=st.booleans())
+    @rule(which=st.integers(0, 7), flag=st.booleans())
     def requires_grad(self, which, flag):
-        """``which == -1``: every parameter (freeze everything, unfreeze everything)."""
         names = [n for n, _ in self.runners[0].model.named_parameters()]
-        chosen = names if which < 0 else [names[which % len(names)]]
-        self.each(lambda r: [r.param(n).requires_grad_(flag) for n in chosen])
+        self.each(lambda r: r.param(names[which % len(names)]).requires_grad_(flag))
+
+    @on("requires_grad")
+    @rule(flag=st.booleans())
+    def requires_grad_all(self, flag):
+        """Freeze everything (replicas built then need no gradients), unfreeze everything."""
+        self.each(lambda r: r.model.requires_grad_(flag))
 
     @on("train_eval")
     @rule(training=st.booleans())
@@ -312,7 +316,7 @@ class Oracle(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FASTDP_ORACLE_EXAMPLES", "100")),
+    max_examples=int(os.environ.get("FASTDP_ORACLE_EXAMPLES", "200")),
     stateful_step_count=int(os.environ.get("FASTDP_ORACLE_STEPS", "10")),
     derandomize="FASTDP_ORACLE_SEED" not in os.environ,
     database=None,
