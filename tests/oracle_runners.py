@@ -1,0 +1,209 @@
+"""The three runners the differential oracle (tests/test_oracle.py) compares.
+
+Each owns a deepcopy of one model and its own optimizers, and offers the same operations:
+``forward``, ``backward``, ``grad`` (``torch.autograd.grad``), ``no_sync``, ``zero_grad``, ``step``.
+``Wrapped`` runs a ``FastDataParallel`` (persistent or fresh replicas). ``Chunked`` is
+DataParallel's semantics by hand: each chunk runs through a fresh deepcopy of the model (a fresh
+replica: whatever a forward rebinds on it is gone by the next step); in-place writes of chunk 0's
+copy to tensors it still holds reach the originals (replica 0 shares their storage); gradients of
+the copies are summed into the originals' ``.grad``, through the hooks registered on the
+originals; parameters that need a gradient and got none get zeros (DataParallel's ``Broadcast``).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdp import FastDataParallel
+
+
+def make_optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """SGD with momentum or AdamW, both with weight decay; a sparse embedding gets plain SGD."""
+    sparse = [p for n, p in model.named_parameters() if n.startswith("emb.")]
+    dense = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
+    if kind == "sgd":
+        opts: list[torch.optim.Optimizer] = [
+            torch.optim.SGD(dense, lr=0.1, momentum=0.9, weight_decay=0.01)]
+    else:
+        opts = [torch.optim.AdamW(dense, lr=0.01, weight_decay=0.1)]
+    if sparse:
+        opts.append(torch.optim.SGD(sparse, lr=0.1))
+    return opts
+
+
+class Runner:
+    """What the runners share: the model, its optimizers, hooks on the originals."""
+
+    def __init__(self, model: nn.Module, opt: str) -> None:
+        self.model = model
+        self.opt_kind = opt
+        self.opts = make_optimizers(model, opt)
+
+    def param(self, name: str) -> nn.Parameter:
+        return dict(self.model.named_parameters())[name]
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def reset_optimizers(self) -> None:
+        self.opts = make_optimizers(self.model, self.opt_kind)
+
+
+class Wrapped(Runner):
+    """A ``FastDataParallel`` over CPU replicas."""
+
+    def __init__(self, model: nn.Module, opt: str, n: int, persistent: bool, cap_mb: float,
+                 launch: str | None) -> None:
+        super().__init__(model, opt)
+        self.fdp = FastDataParallel(model, ["cpu"] * n, persistent=persistent,
+                                    bucket_cap_mb=cap_mb, launch=launch)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.fdp(x, idx)
+
+    def forward_threads(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+        """The batches through the wrapper, one thread each, started together."""
+        results: list[Any] = [None] * len(batches)
+        barrier = threading.Barrier(len(batches))
+
+        def run(i: int) -> None:
+            barrier.wait()
+            try:
+                results[i] = self.fdp(*batches[i])
+            except Exception as e:  # re-raised on the caller's thread
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
+
+    def backward(self, loss: torch.Tensor, names: list[str] | None = None, **kw: Any) -> None:
+        inputs = None if names is None else [self.param(n) for n in names]
+        loss.backward(inputs=inputs, **kw)
+
+    def grad(self, loss: torch.Tensor, names: list[str]) -> tuple:
+        return torch.autograd.grad(loss, [self.param(n) for n in names], allow_unused=True)
+
+    def no_sync(self) -> Any:
+        return self.fdp.no_sync()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.fdp.zero_grad(set_to_none)
+
+    def add_hook(self, name: str, fn: Any) -> None:
+        self.param(name).register_hook(fn)
+
+
+class Chunked(Runner):
+    """DataParallel's semantics by hand (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, opt: str, n: int) -> None:
+        super().__init__(model, opt)
+        self.n = n
+        self.live: list[dict] = []  # each copy's parameters as its forward found them
+        self.hooks: dict[str, list] = {}
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        if not keep:
+            self.live = []
+        chunks = list(zip(x.chunk(self.n), idx.chunk(self.n)))
+        copies = [copy.deepcopy(self.model) for _ in chunks]  # all before any chunk runs
+        outs = []
+        for i, ((xc, ic), c) in enumerate(zip(chunks, copies)):
+            for p in c.parameters():
+                p.grad = None
+            self.live.append(dict(c.named_parameters()))
+            held = {n: (t, t.data_ptr()) for n, t in _tensors(c)} if i == 0 else None
+            try:
+                outs.append(c(xc, ic))
+            finally:
+                if held is not None:
+                    self._write_back(c, held)
+        return torch.cat(outs)
+
+    def forward_threads(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+        self.live = []
+        return [self.forward(*b, keep=True) for b in batches]
+
+    def _write_back(self, c: nn.Module, held: dict) -> None:
+        """Chunk 0's in-place writes to tensors its copy still holds reach the originals; under
+        no_grad, so does ``.data =`` (DataParallel's replica 0 then holds the original tensors:
+        ``broadcast_coalesced`` returns its inputs for the source device)."""
+        mine = dict(_tensors(self.model))
+        grad = torch.is_grad_enabled()
+        with torch.no_grad():
+            for name, t in _tensors(c):
+                if name not in held or held[name][0] is not t or name not in mine:
+                    continue
+                if held[name][1] == t.data_ptr():
+                    if not torch.equal(mine[name], t):
+                        mine[name].copy_(t)
+                elif not grad:
+                    mine[name].data = t.data
+
+    def _copies_of(self, names: list[str]) -> list[list[torch.Tensor]]:
+        return [[c[n] for n in names] for c in self.live]
+
+    def _total(self, name: str, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return None
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        for fn in self.hooks.get(name, []):
+            total = fn(total)
+        return total
+
+    def backward(self, loss: torch.Tensor, names: list[str] | None = None, **kw: Any) -> None:
+        inputs = None if names is None else [t for row in self._copies_of(names) for t in row]
+        loss.backward(inputs=inputs, **kw)
+        totals = {}
+        for name in self.live[0] if self.live else ():
+            rows = self._copies_of([name])
+            totals[name] = self._total(name, [row[0].grad for row in rows])
+            for row in rows:
+                row[0].grad = None
+        reached = any(t is not None for t in totals.values())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                total = totals.get(name)
+                if total is None and reached and p.requires_grad and p.grad is None and (
+                        names is None or name in names):
+                    p.grad = torch.zeros_like(p)  # DataParallel's Broadcast: unused get zeros
+                elif total is not None:
+                    p.grad = total.clone() if p.grad is None else p.grad + total
+
+    def grad(self, loss: torch.Tensor, names: list[str]) -> tuple:
+        rows = self._copies_of(names)
+        flat = torch.autograd.grad(loss, [t for row in rows for t in row], allow_unused=True)
+        k = len(names)
+        return tuple(self._total(n, [flat[r * k + j] for r in range(len(rows))])
+                     for j, n in enumerate(names))
+
+    def no_sync(self) -> Any:
+        return nullcontext()  # plain accumulation
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        self.model.zero_grad(set_to_none)
+
+    def add_hook(self, name: str, fn: Any) -> None:
+        self.param(name).register_hook(fn).remove()  # raises as the wrappers' runners do
+        self.hooks.setdefault(name, []).append(fn)
+
+
+def _tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(m.named_parameters()) + list(m.named_buffers())

@@ -1,0 +1,335 @@
+"""Differential oracle: persistent replicas give what fresh replicas give, step after step.
+
+A hypothesis state machine draws a model from a grammar of what real models do
+(tests/oracle_models.py: views, expands and transposes of parameters, tied, frozen, unused and
+partly used parameters, BatchNorm, GRU/LSTM, a sparse embedding, weight_norm, a channels_last
+conv; forwards that write attributes, buffers, parameters, ``.data``, hooks and submodules), 2 to 4
+CPU replicas, one bucket or many, a launch strategy and an optimizer; then a training loop's
+operations: steps with ``backward``, ``retain_graph=True`` and two backwards,
+``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without ``zero_grad``,
+``no_sync()`` micro-steps, partial batches, a replica raising, two threads calling one wrapper,
+optimizer steps (SGD, AdamW with weight decay), ``load_state_dict``, in-place edits,
+``requires_grad`` toggles, train/eval and hooks on the originals. Three runners
+(tests/oracle_runners.py) must agree after every operation: ``FastDataParallel`` with persistent
+replicas, with ``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk``
+chunks. Compared: outputs, the type of any exception, every ``.grad`` (None or not, then values),
+``autograd.grad`` results, buffers, and the originals after optimizer steps. float64; after each
+operation the other runners take the persistent runner's values (summation order must not drift).
+
+With CPU replicas sharing the originals' storage (the default), an in-place parameter write in a
+forward lands once per replica (documented); the ``inplace_param`` feature runs only under
+``FASTDP_CPU_DISTINCT=1``, where replica 0's write alone must reach the originals.
+
+Environment: ``FASTDP_ORACLE_EXAMPLES`` (programs per backend and storage mode; default 200,
+derandomized), ``FASTDP_ORACLE_STEPS`` (operations per program, default 10),
+``FASTDP_ORACLE_SEED`` (a seed instead of derandomizing), ``FASTDP_ORACLE_SKIP`` (comma-separated
+feature or operation names to leave out of the grammar; default none). Deep run:
+``FASTDP_ORACLE_EXAMPLES=2000 python -m pytest -q tests/test_oracle.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from oracle_models import FAIL, FEATURES, SKIP, VOCAB, D, OracleNet, _half
+from oracle_runners import Chunked, Wrapped
+
+from fastdp import engine
+
+OPERATIONS = ("no_sync", "optimizer", "load_state_dict", "inplace_edit", "requires_grad",
+              "train_eval", "failing", "threads", "no_grad_forward", "orig_hook",
+              "autograd_grad", "backward_inputs", "retain_graph", "accumulate", "partial_batch",
+              "zero_grad_pending")
+LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
+_unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)
+assert not _unknown, f"FASTDP_ORACLE_SKIP: unknown names {sorted(_unknown)}"
+LAUNCHES = [None] if os.environ.get("FASTDP_LAUNCH") else ["threads", "inline"]
+NAMES = ("persistent", "fresh", "chunked")
+TOL = dict(rtol=1e-7, atol=1e-9)
+LOSSES = [k for k in ("backward", "retain_graph", "autograd_grad", "backward_inputs")
+          if k not in LEFT_OUT]
+
+
+def on(name: str):
+    return precondition(lambda self: name not in LEFT_OUT and not self.pending)
+
+
+def _dense(g):
+    return g.to_dense() if g is not None and g.is_sparse else g
+
+
+def agree(values: list, what: str) -> None:
+    """``values`` per runner (persistent, fresh, chunked). The wrappers must agree exactly on None
+    or not; DataParallel gives an unused parameter zeros where the chunked module has None."""
+    p, f, c = map(_dense, values)
+    assert (p is None) == (f is None), f"{what}: persistent {p} vs fresh {f}"
+    if p is not None:
+        torch.testing.assert_close(p, f, **TOL, msg=lambda m: f"{what}, persistent vs fresh: {m}")
+    if c is None:
+        assert p is None or not p.any(), f"{what}: persistent {p} vs chunked None"
+    else:
+        assert p is not None, f"{what}: persistent None vs chunked {c}"
+        torch.testing.assert_close(p, c, **TOL, msg=lambda m: f"{what}, vs chunked: {m}")
+
+
+class Oracle(RuleBasedStateMachine):
+    @initialize(feats=st.sets(st.sampled_from(FEATURES)), n=st.integers(2, 4),
+                cap=st.sampled_from([1e-4, engine.DEFAULT_CAP_MB]),
+                launch=st.sampled_from(LAUNCHES),
+                opt=st.sampled_from(["sgd", "adamw"]), seed=st.integers(0, 2**16))
+    def build(self, feats, n, cap, launch, opt, seed):
+        feats = frozenset(feats) - LEFT_OUT
+        if not engine.cpu_distinct():  # see the module docstring
+            feats -= {"inplace_param"}
+        self.feats, self.n, self.pending = feats, n, False
+        model = OracleNet(feats, seed)
+        self.runners = [Wrapped(copy.deepcopy(model), opt, n, True, cap, launch),
+                        Wrapped(copy.deepcopy(model), opt, n, False, cap, launch),
+                        Chunked(copy.deepcopy(model), opt, n)]
+        self.gen = torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def each(self, fn, *per_runner) -> list | None:
+        """``fn(runner, *args)`` for each runner; if any raises, all must raise the same type
+        (then None)."""
+        results, errors = [], []
+        self.errors = errors
+        for r, *args in zip(self.runners, *per_runner) if per_runner else ((r,) for r in
+                                                                            self.runners):
+            try:
+                results.append(fn(r, *args))
+                errors.append(None)
+            except Exception as e:  # compared below
+                results.append(None)
+                errors.append(e)
+        if any(e is not None for e in errors):
+            kinds = {n: type(e).__name__ if e else "no error" for n, e in zip(NAMES, errors)}
+            assert len(set(kinds.values())) == 1, f"runners disagree: {kinds}; {errors}"
+            return None
+        return results
+
+    def batch(self, b: int, mark: int | None = None, chunk: int = 0):
+        if "partial_batch" in LEFT_OUT:
+            b = self.n * -(-b // self.n)
+        model = self.runners[0].model
+        while "bn" in self.feats and model.training and min(
+                len(c) for c in torch.arange(b).chunk(self.n)) < 2:
+            b += 1  # BatchNorm in training needs two rows per chunk
+        x = torch.randn(b, D, generator=self.gen, dtype=torch.float64)
+        idx = torch.randint(0, VOCAB, (b,), generator=self.gen)
+        if mark is not None:
+            chunks = idx.chunk(self.n)
+            chunks[chunk % len(chunks)][0] = mark
+        return x, idx
+
+    def weights(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.randn(out.shape, generator=self.gen, dtype=torch.float64)
+
+    def trainable(self) -> list[str]:
+        return [n for n, p in self.runners[0].model.named_parameters() if p.requires_grad]
+
+    # -------------------------------------------------------------------------------- steps
+
+    @precondition(lambda self: not self.pending or "accumulate" not in LEFT_OUT)
+    @rule(b=st.integers(1, 12), loss=st.sampled_from(LOSSES),
+          zero=st.sampled_from(["none", "zeros", "keep"]), skip=st.none() | st.integers(0, 3),
+          subset=st.integers(1, 2**12 - 1))
+    def train_step(self, b, loss, zero, skip, subset):
+        if zero != "keep" or "accumulate" in LEFT_OUT:
+            self.each(lambda r: r.zero_grad(zero == "none"))
+        x, idx = self.batch(b, None if skip is None else SKIP, skip or 0)
+        outs = self.each(lambda r: r.forward(x, idx))
+        self.pending = False
+        if outs is None:
+            return
+        agree(outs, "output")
+        w, names = self.weights(outs[0]), self.trainable()
+        if loss == "autograd_grad":
+            res = self.each(lambda r, o: r.grad((o * w).sum(), names), outs)
+            for k, name in enumerate(names if res else []):
+                agree([r[k] for r in res], f"autograd.grad of {name}")
+        elif loss == "backward_inputs":
+            chosen = [n for i, n in enumerate(names) if subset >> (i % 12) & 1] or names[:1]
+            self.each(lambda r, o: r.backward((o * w).sum(), chosen or None), outs)
+        elif loss == "retain_graph":
+            def twice(r, o):
+                r.backward((o * w).sum(), retain_graph=True)
+                r.backward((o * w).sum())
+            self.each(twice, outs)
+        else:
+            self.each(lambda r, o: r.backward((o * w).sum()), outs)
+
+    @precondition(lambda self: "no_sync" not in LEFT_OUT)
+    @rule(b=st.integers(1, 12))
+    def no_sync_micro_step(self, b):
+        x, idx = self.batch(b)
+        w = torch.randn(len(x), D, generator=self.gen, dtype=torch.float64)
+
+        def micro(r):
+            with r.no_sync():
+                out = r.forward(x, idx)
+                r.backward((out * w).sum())
+            return out
+
+        outs = self.each(micro)
+        if outs is not None:
+            agree(outs, "no_sync output")
+        self.pending = True
+
+    @on("optimizer")
+    @rule()
+    def optimizer_step(self):
+        self.each(lambda r: r.step())
+
+    @rule(set_to_none=st.booleans())
+    def zero_grad(self, set_to_none):
+        if self.pending and "zero_grad_pending" in LEFT_OUT:
+            set_to_none = True
+        self.each(lambda r: r.zero_grad(set_to_none))
+        self.pending = False
+
+    @on("no_grad_forward")
+    @rule(b=st.integers(1, 12))
+    def no_grad_forward(self, b):
+        x, idx = self.batch(b)
+        with torch.no_grad():
+            outs = self.each(lambda r: r.forward(x, idx))
+        if outs is not None:
+            agree(outs, "no-grad output")
+
+    @on("failing")
+    @rule(b=st.integers(1, 12), k=st.integers(0, 3), grad=st.booleans())
+    def failing_step(self, b, k, grad):
+        x, idx = self.batch(b, FAIL, k)
+        with torch.set_grad_enabled(grad):
+            self.each(lambda r: r.forward(x, idx))
+        assert all(isinstance(e, ValueError) for e in self.errors), self.errors
+
+    @on("threads")
+    @rule(b1=st.integers(1, 12), b2=st.integers(1, 12))
+    def two_threads(self, b1, b2):
+        """Two threads call one wrapper (eval mode: BatchNorm's running stats would depend on
+        the order); each output must equal the serial one."""
+        training = self.runners[0].model.training
+        self.each(lambda r: r.model.eval())
+        batches = [self.batch(b1), self.batch(b2)]
+        outs = self.each(lambda r: r.forward_threads(batches))
+        if outs is not None:
+            agree([o[0] for o in outs], "thread 1 output")
+            agree([o[1] for o in outs], "thread 2 output")
+            ws = [self.weights(o) for o in outs[0]]
+            self.each(lambda r, o: r.backward(sum((a * w).sum() for a, w in zip(o, ws))), outs)
+        self.each(lambda r: r.model.train(training))
+
+    # ------------------------------------------------------------------------------ changes
+
+    @precondition(lambda self: "inplace_edit" not in LEFT_OUT)
+    @rule(factor=st.sampled_from([-1.0, 0.5, 2.0]))
+    def inplace_edit(self, factor):
+        def edit(r):
+            with torch.no_grad():
+                r.model.lin.weight.mul_(factor)
+                for b in r.model.buffers():
+                    if b.is_floating_point():
+                        b.add_(factor)
+        self.each(edit)
+
+    @on("load_state_dict")
+    @rule(seed=st.integers(0, 2**16), assign=st.booleans())
+    def load_state_dict(self, seed, assign):
+        sd = OracleNet(self.feats, seed).state_dict()
+
+        def load(r):
+            r.model.load_state_dict(copy.deepcopy(sd), assign=assign)
+            if assign:
+                r.reset_optimizers()
+        self.each(load)
+
+    @on("requires_grad")
+    @rule(which=st.integers(0, 7), flag=st.booleans())
+    def requires_grad(self, which, flag):
+        names = [n for n, _ in self.runners[0].model.named_parameters()]
+        self.each(lambda r: r.param(names[which % len(names)]).requires_grad_(flag))
+
+    @on("requires_grad")
+    @rule(flag=st.booleans())
+    def requires_grad_all(self, flag):
+        """Freeze everything (replicas built then need no gradients), unfreeze everything."""
+        self.each(lambda r: r.model.requires_grad_(flag))
+
+    @on("train_eval")
+    @rule(training=st.booleans())
+    def train_eval(self, training):
+        self.each(lambda r: r.model.train(training))
+
+    @on("orig_hook")
+    @rule()
+    def hook_on_original(self):
+        self.each(lambda r: r.add_hook("lin.bias", _half))
+
+    # --------------------------------------------------------------------------- invariant
+
+    @invariant()
+    def runners_agree(self):
+        """Parameters, buffers and (outside no_sync) gradients agree; then the other runners
+        take the persistent runner's values."""
+        if not hasattr(self, "runners"):
+            return
+        models = [r.model for r in self.runners]
+        named = [dict(m.named_parameters()) for m in models]
+        buffers = [dict(m.named_buffers()) for m in models]
+        assert named[0].keys() == named[1].keys() == named[2].keys()
+        assert buffers[0].keys() == buffers[1].keys() == buffers[2].keys()
+        for name in named[0]:
+            agree([p[name].detach() for p in named], f"parameter {name}")
+            if not self.pending:
+                agree([p[name].grad for p in named], f".grad of {name}")
+        for name in buffers[0]:
+            agree([b[name] for b in buffers], f"buffer {name}")
+        with torch.no_grad():
+            for src, dst in ((named[0], named[1]), (named[0], named[2]),
+                             (buffers[0], buffers[1]), (buffers[0], buffers[2])):
+                for name, t in src.items():
+                    dst[name].copy_(t)
+                    g, h = t.grad, dst[name].grad
+                    if g is not None and h is not None and not g.is_sparse and not h.is_sparse:
+                        h.copy_(g)
+
+    def teardown(self):
+        for r in getattr(self, "runners", []):
+            r.live = []
+
+
+SETTINGS = settings(
+    max_examples=int(os.environ.get("FASTDP_ORACLE_EXAMPLES", "200")),
+    stateful_step_count=int(os.environ.get("FASTDP_ORACLE_STEPS", "10")),
+    derandomize="FASTDP_ORACLE_SEED" not in os.environ,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.filter_too_much],
+)
+if "FASTDP_ORACLE_SEED" in os.environ:
+    hypothesis_seed(int(os.environ["FASTDP_ORACLE_SEED"]))(Oracle)
+
+
+@pytest.mark.usefixtures("backend")
+def test_persistent_fresh_and_chunked_agree(storage):
+    """The machine under each backend (extension, pure torch) and storage mode (``alias``:
+    CPU replicas on the originals' storage; ``distinct``: storage of their own)."""
+    run_state_machine_as_test(Oracle, settings=SETTINGS)
