@@ -18,10 +18,32 @@ SKIP, FAIL = -1, -2
 
 # What a model is made of (parameters used through views, shared, frozen, unused, in several
 # buckets...) and what its forward writes (attributes, buffers, parameters, .data, hooks, modules).
-STRUCTURE = ("view", "expand", "transpose", "tied", "frozen", "unused", "twice", "branch", "bn",
-             "gru", "lstm", "sparse_emb", "weight_norm", "conv_cl")
-FORWARD_WRITES = ("attr_write", "buffer_reassign", "buffer_inplace", "param_reassign",
-                  "submodule_swap", "data_assign", "inplace_param", "hooks_in_forward")
+STRUCTURE = (
+    "view",
+    "expand",
+    "transpose",
+    "tied",
+    "frozen",
+    "unused",
+    "twice",
+    "branch",
+    "bn",
+    "gru",
+    "lstm",
+    "sparse_emb",
+    "weight_norm",
+    "conv_cl",
+)
+FORWARD_WRITES = (
+    "attr_write",
+    "buffer_reassign",
+    "buffer_inplace",
+    "param_reassign",
+    "submodule_swap",
+    "data_assign",
+    "inplace_param",
+    "hooks_in_forward",
+)
 FEATURES = STRUCTURE + FORWARD_WRITES
 
 

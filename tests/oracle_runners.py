@@ -29,7 +29,8 @@ def make_optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
     dense = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
     if kind == "sgd":
         opts: list[torch.optim.Optimizer] = [
-            torch.optim.SGD(dense, lr=0.1, momentum=0.9, weight_decay=0.01)]
+            torch.optim.SGD(dense, lr=0.1, momentum=0.9, weight_decay=0.01)
+        ]
     else:
         opts = [torch.optim.AdamW(dense, lr=0.01, weight_decay=0.1)]
     if sparse:
@@ -59,11 +60,19 @@ class Runner:
 class Wrapped(Runner):
     """A ``FastDataParallel`` over CPU replicas."""
 
-    def __init__(self, model: nn.Module, opt: str, n: int, persistent: bool, cap_mb: float,
-                 launch: str | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        opt: str,
+        n: int,
+        persistent: bool,
+        cap_mb: float,
+        launch: str | None,
+    ) -> None:
         super().__init__(model, opt)
-        self.fdp = FastDataParallel(model, ["cpu"] * n, persistent=persistent,
-                                    bucket_cap_mb=cap_mb, launch=launch)
+        self.fdp = FastDataParallel(
+            model, ["cpu"] * n, persistent=persistent, bucket_cap_mb=cap_mb, launch=launch
+        )
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return self.fdp(x, idx)
@@ -181,8 +190,13 @@ class Chunked(Runner):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 total = totals.get(name)
-                if total is None and reached and p.requires_grad and p.grad is None and (
-                        names is None or name in names):
+                if (
+                    total is None
+                    and reached
+                    and p.requires_grad
+                    and p.grad is None
+                    and (names is None or name in names)
+                ):
                     p.grad = torch.zeros_like(p)  # DataParallel's Broadcast: unused get zeros
                 elif total is not None:
                     p.grad = total.clone() if p.grad is None else p.grad + total
@@ -191,8 +205,9 @@ class Chunked(Runner):
         rows = self._copies_of(names)
         flat = torch.autograd.grad(loss, [t for row in rows for t in row], allow_unused=True)
         k = len(names)
-        return tuple(self._total(n, [flat[r * k + j] for r in range(len(rows))])
-                     for j, n in enumerate(names))
+        return tuple(
+            self._total(n, [flat[r * k + j] for r in range(len(rows))]) for j, n in enumerate(names)
+        )
 
     def no_sync(self) -> Any:
         return nullcontext()  # plain accumulation

@@ -50,18 +50,33 @@ from oracle_runners import Chunked, Wrapped
 
 from fastdp import engine
 
-OPERATIONS = ("no_sync", "optimizer", "load_state_dict", "inplace_edit", "requires_grad",
-              "train_eval", "failing", "threads", "no_grad_forward", "orig_hook",
-              "autograd_grad", "backward_inputs", "retain_graph", "accumulate", "partial_batch",
-              "zero_grad_pending")
+OPERATIONS = (
+    "no_sync",
+    "optimizer",
+    "load_state_dict",
+    "inplace_edit",
+    "requires_grad",
+    "train_eval",
+    "failing",
+    "threads",
+    "no_grad_forward",
+    "orig_hook",
+    "autograd_grad",
+    "backward_inputs",
+    "retain_graph",
+    "accumulate",
+    "partial_batch",
+    "zero_grad_pending",
+)
 LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
 _unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)
 assert not _unknown, f"FASTDP_ORACLE_SKIP: unknown names {sorted(_unknown)}"
 LAUNCHES = [None] if os.environ.get("FASTDP_LAUNCH") else ["threads", "inline"]
 NAMES = ("persistent", "fresh", "chunked")
 TOL = dict(rtol=1e-7, atol=1e-9)
-LOSSES = [k for k in ("backward", "retain_graph", "autograd_grad", "backward_inputs")
-          if k not in LEFT_OUT]
+LOSSES = [
+    k for k in ("backward", "retain_graph", "autograd_grad", "backward_inputs") if k not in LEFT_OUT
+]
 
 
 def on(name: str):
@@ -87,19 +102,25 @@ def agree(values: list, what: str) -> None:
 
 
 class Oracle(RuleBasedStateMachine):
-    @initialize(feats=st.sets(st.sampled_from(FEATURES)), n=st.integers(2, 4),
-                cap=st.sampled_from([1e-4, engine.DEFAULT_CAP_MB]),
-                launch=st.sampled_from(LAUNCHES),
-                opt=st.sampled_from(["sgd", "adamw"]), seed=st.integers(0, 2**16))
+    @initialize(
+        feats=st.sets(st.sampled_from(FEATURES)),
+        n=st.integers(2, 4),
+        cap=st.sampled_from([1e-4, engine.DEFAULT_CAP_MB]),
+        launch=st.sampled_from(LAUNCHES),
+        opt=st.sampled_from(["sgd", "adamw"]),
+        seed=st.integers(0, 2**16),
+    )
     def build(self, feats, n, cap, launch, opt, seed):
         feats = frozenset(feats) - LEFT_OUT
         if not engine.cpu_distinct():  # see the module docstring
             feats -= {"inplace_param"}
         self.feats, self.n, self.pending = feats, n, False
         model = OracleNet(feats, seed)
-        self.runners = [Wrapped(copy.deepcopy(model), opt, n, True, cap, launch),
-                        Wrapped(copy.deepcopy(model), opt, n, False, cap, launch),
-                        Chunked(copy.deepcopy(model), opt, n)]
+        self.runners = [
+            Wrapped(copy.deepcopy(model), opt, n, True, cap, launch),
+            Wrapped(copy.deepcopy(model), opt, n, False, cap, launch),
+            Chunked(copy.deepcopy(model), opt, n),
+        ]
         self.gen = torch.Generator().manual_seed(seed)
 
     # ------------------------------------------------------------------------------ helpers
@@ -109,8 +130,9 @@ class Oracle(RuleBasedStateMachine):
         (then None)."""
         results, errors = [], []
         self.errors = errors
-        for r, *args in zip(self.runners, *per_runner) if per_runner else ((r,) for r in
-                                                                            self.runners):
+        for r, *args in (
+            zip(self.runners, *per_runner) if per_runner else ((r,) for r in self.runners)
+        ):
             try:
                 results.append(fn(r, *args))
                 errors.append(None)
@@ -127,8 +149,11 @@ class Oracle(RuleBasedStateMachine):
         if "partial_batch" in LEFT_OUT:
             b = self.n * -(-b // self.n)
         model = self.runners[0].model
-        while "bn" in self.feats and model.training and min(
-                len(c) for c in torch.arange(b).chunk(self.n)) < 2:
+        while (
+            "bn" in self.feats
+            and model.training
+            and min(len(c) for c in torch.arange(b).chunk(self.n)) < 2
+        ):
             b += 1  # BatchNorm in training needs two rows per chunk
         x = torch.randn(b, D, generator=self.gen, dtype=torch.float64)
         idx = torch.randint(0, VOCAB, (b,), generator=self.gen)
@@ -146,9 +171,13 @@ class Oracle(RuleBasedStateMachine):
     # -------------------------------------------------------------------------------- steps
 
     @precondition(lambda self: not self.pending or "accumulate" not in LEFT_OUT)
-    @rule(b=st.integers(1, 12), loss=st.sampled_from(LOSSES),
-          zero=st.sampled_from(["none", "zeros", "keep"]), skip=st.none() | st.integers(0, 3),
-          subset=st.integers(1, 2**12 - 1))
+    @rule(
+        b=st.integers(1, 12),
+        loss=st.sampled_from(LOSSES),
+        zero=st.sampled_from(["none", "zeros", "keep"]),
+        skip=st.none() | st.integers(0, 3),
+        subset=st.integers(1, 2**12 - 1),
+    )
     def train_step(self, b, loss, zero, skip, subset):
         if zero != "keep" or "accumulate" in LEFT_OUT:
             self.each(lambda r: r.zero_grad(zero == "none"))
@@ -167,9 +196,11 @@ class Oracle(RuleBasedStateMachine):
             chosen = [n for i, n in enumerate(names) if subset >> (i % 12) & 1] or names[:1]
             self.each(lambda r, o: r.backward((o * w).sum(), chosen or None), outs)
         elif loss == "retain_graph":
+
             def twice(r, o):
                 r.backward((o * w).sum(), retain_graph=True)
                 r.backward((o * w).sum())
+
             self.each(twice, outs)
         else:
             self.each(lambda r, o: r.backward((o * w).sum()), outs)
@@ -247,6 +278,7 @@ class Oracle(RuleBasedStateMachine):
                 for b in r.model.buffers():
                     if b.is_floating_point():
                         b.add_(factor)
+
         self.each(edit)
 
     @on("load_state_dict")
@@ -258,6 +290,7 @@ class Oracle(RuleBasedStateMachine):
             r.model.load_state_dict(copy.deepcopy(sd), assign=assign)
             if assign:
                 r.reset_optimizers()
+
         self.each(load)
 
     @on("requires_grad")
@@ -302,8 +335,12 @@ class Oracle(RuleBasedStateMachine):
         for name in buffers[0]:
             agree([b[name] for b in buffers], f"buffer {name}")
         with torch.no_grad():
-            for src, dst in ((named[0], named[1]), (named[0], named[2]),
-                             (buffers[0], buffers[1]), (buffers[0], buffers[2])):
+            for src, dst in (
+                (named[0], named[1]),
+                (named[0], named[2]),
+                (buffers[0], buffers[1]),
+                (buffers[0], buffers[2]),
+            ):
                 for name, t in src.items():
                     dst[name].copy_(t)
                     g, h = t.grad, dst[name].grad
@@ -321,8 +358,11 @@ SETTINGS = settings(
     derandomize="FASTDP_ORACLE_SEED" not in os.environ,
     database=None,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                           HealthCheck.filter_too_much],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 if "FASTDP_ORACLE_SEED" in os.environ:
     hypothesis_seed(int(os.environ["FASTDP_ORACLE_SEED"]))(Oracle)
