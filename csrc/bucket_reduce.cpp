@@ -1,6 +1,8 @@
 #include "bucket_reduce.h"
 
+#include <ATen/CachedTensorUtils.h>
 #include <ATen/Dispatch.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/custom_class.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -24,16 +26,23 @@ struct Args {  // what forward needs once; nothing of it is kept
   c10::intrusive_ptr<BucketState> state;
 };
 
-// Whether every gradient of `row` can be summed into in place, by AccumulateGrad's rule for
-// stealing one (impl::is_tensor_stealable): this node holds the only reference, it is dense (no
-// expanded view) and strided, and no graph is being built (create_graph). A gradient that flows
-// to several places is shared, so its count is above 1. Saves an allocation per tensor.
+// Whether every gradient of `row` can be summed into in place, by autograd's own rule for
+// accumulating into a buffered gradient (InputBuffer's can_accumulate_inplace): a plain strided
+// tensor (no subclass, zero-tensor, nested, conj or neg bit), dense, this node holds the only
+// reference AND its storage has no other user (a view, e.g. of a gradient that another node
+// still reads, shares it), and no graph is being built (create_graph).
+bool can_sum_into(const at::Tensor& g) {
+  return g.layout() == at::kStrided && !at::isTensorSubclassLike(g) && !g._is_zerotensor() &&
+         !g.is_nested() && !g.is_conj() && !g.is_neg() && !g.requires_grad() &&
+         g.is_non_overlapping_and_dense() &&
+         torch::autograd::impl::is_tensor_stealable(g, 1 + at::caching::is_cached_tensor(g)) &&
+         g.has_storage() && g.storage().use_count() == 1;
+}
+
 bool sole_owner(const variable_list& row) {
   if (at::GradMode::is_enabled()) return false;
   for (const at::Tensor& g : row) {
-    if (g.use_count() != 1 || g.layout() != at::kStrided || !g.is_non_overlapping_and_dense() ||
-        g.requires_grad())
-      return false;
+    if (!can_sum_into(g)) return false;
   }
   return true;
 }
