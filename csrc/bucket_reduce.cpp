@@ -121,11 +121,13 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
       for (int64_t k : needed) {
         at::Tensor g = std::move(grads[j * n + k]);  // sole owner where autograd made it
         if (!g.defined()) g = at::zeros(state->sizes[k], state->like[k].options());
-        local = local && g.device() == state->dest;
+        local = local && g.device() == state->dest && g.layout() == at::kStrided;
         rows[j].push_back(std::move(g));
       }
     }
-    local = local && r > 1;  // one row: reduce_rows copies it, as the Python node does
+    // One row: reduce_rows copies it, as the Python node does; a sparse gradient: reduce_rows
+    // sums it as DataParallel does (NOTE [ Sparse gradients ] in fastdp/reducer.py).
+    local = local && r > 1;
     state->hooks->on_backward(local);
     variable_list sums;
     if (needed.empty()) {

@@ -1,6 +1,7 @@
 """Gradients of persistent replicas equal DataParallel's (``persistent=False``: fresh replicas
 every step) and the plain module's on the same chunks, where the reduction could differ: an
-in-place sum into a gradient whose memory another node still reads."""
+in-place sum into a gradient whose memory another node still reads, and sparse gradients that
+only some replicas produce."""
 
 import pytest
 import torch
@@ -39,6 +40,21 @@ class ViewResidual(nn.Module):
 
     def forward(self, h):
         return h + torch.tanh(self.lin(h) + self.p.view(1, self.d))
+
+
+class SkippedEmbedding(nn.Module):
+    """A sparse embedding that a replica uses only where its chunk of ``use`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, idx, use):
+        h = self.lin.weight.new_zeros(idx.shape[0], 4)
+        if bool(use[0]):
+            h = h + self.emb(idx)
+        return self.lin(h)
 
 
 def _square_sum(out):
@@ -105,3 +121,19 @@ def test_autograd_grad_through_a_view_with_one_row_chunks_gets_dataparallels_gra
         results.append(got)
     for want, got in zip(*results):
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("use", [[1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 1, 1]],
+                         ids=["second_skips", "first_skips", "none_skips"])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_sparse_embedding_that_a_replica_skips_is_summed_as_dataparallel_does(use, persistent):
+    torch.manual_seed(0)
+    model = SkippedEmbedding()
+    inputs = [torch.tensor([1, 2, 3, 2]), torch.tensor(use)]
+    got = _wrapped_grads(model, inputs, 2, persistent=persistent)
+    want = _chunked_grads(model, inputs, 2)
+    # comm.reduce_add_coalesced: all sparse stays sparse; a replica's dense zeros make it dense
+    assert got["emb.weight"].layout == (torch.sparse_coo if all(use) else torch.strided)
+    assert_close(got["emb.weight"].to_dense(), want["emb.weight"].to_dense())
+    assert_close(got["lin.weight"], want["lin.weight"])
+    assert_close(got["lin.bias"], want["lin.bias"])
