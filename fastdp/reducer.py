@@ -228,6 +228,7 @@ class BucketReduce(Function):
         return tuple(outs)
 
     @staticmethod
+    @_torch_private.untraced  # as the C++ node: compiled autograd runs it, never traces it
     def backward(ctx, *grads):
         link = ctx.link
         link.pending.value = False

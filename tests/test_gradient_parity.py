@@ -1,7 +1,7 @@
 """Gradients of persistent replicas equal DataParallel's (``persistent=False``: fresh replicas
 every step) and the plain module's on the same chunks, where the reduction could differ: an
-in-place sum into a gradient whose memory another node still reads, and sparse gradients that
-only some replicas produce."""
+in-place sum into a gradient whose memory another node still reads, sparse gradients that only
+some replicas produce, and compiled autograd running the bucket nodes."""
 
 import pytest
 import torch
@@ -137,3 +137,23 @@ def test_sparse_embedding_that_a_replica_skips_is_summed_as_dataparallel_does(us
     assert_close(got["emb.weight"].to_dense(), want["emb.weight"].to_dense())
     assert_close(got["lin.weight"], want["lin.weight"])
     assert_close(got["lin.bias"], want["lin.bias"])
+
+
+@pytest.mark.parametrize("cap_mb", [25.0, 1e-6], ids=["one_bucket", "bucket_per_tensor"])
+def test_compiled_autograd_step_gives_dataparallels_gradients(cap_mb):
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2), nn.Linear(2, 2))
+    model[0].requires_grad_(False)  # a frozen source in a bucket
+    x = torch.randn(6, 4)
+    results = []
+    for persistent in (False, True):
+        dp = FastDataParallel(model, device_ids=["cpu"] * 3, persistent=persistent,
+                              bucket_cap_mb=cap_mb)
+        for _ in range(3):  # the persistent nodes serve steps 2 and 3 again
+            model.zero_grad(set_to_none=True)
+            loss = _square_sum(dp(x))
+            with ca._enable(torch.compile(backend="eager")):
+                loss.backward()
+        results.append(_grads(model))
+    _assert_same(results[1], results[0])
