@@ -53,7 +53,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<fastdp::DictSnapshot>(
       m, "DictSnapshot",
       "The key and value objects of some dicts, held and compared by identity (see NOTE "
-      "[ Replica invalidation ] in fastdp/_snapshots.py).")
+      "[ Replica invalidation ] in fastdp/_snapshots.py); seen by the garbage collector.",
+      py::custom_type_setup(&fastdp::dict_snapshot_type_setup))
       .def(py::init<const py::list&>(), py::arg("dicts"))
       .def("changed", &fastdp::DictSnapshot::changed,
            "Indices of the dicts whose keys or values are no longer the same objects, in order.")

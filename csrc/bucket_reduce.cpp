@@ -1,7 +1,8 @@
 #include "bucket_reduce.h"
 
+#include <ATen/CachedTensorUtils.h>
 #include <ATen/Dispatch.h>
-#include <ATen/core/custom_class.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 namespace fastdp {
@@ -12,28 +13,56 @@ using torch::autograd::variable_list;
 
 // The node's saved state: the hooks and each source's layout (for a gradient that never arrived).
 // It must not own a replica tensor: the tensors have this node as grad_fn (an uncollectable cycle).
-struct BucketState : torch::CustomClassHolder {
+struct BucketState {
   std::shared_ptr<BucketHooks> hooks;
   std::vector<at::Tensor> like;  // empty tensors with each source's dtype/device, sizes below
   std::vector<std::vector<int64_t>> sizes;
   at::Device dest = at::kCPU;
 };
 
+// NOTE [ Bucket state in a tensor ]
+// Compiled autograd hashes every saved_data entry into its cache key and hands saved tensors to
+// the node's backward as they are; a capsule cannot be hashed. So the state is saved as an empty
+// byte tensor whose storage owns it (the DataPtr's context), read back only when the DataPtr's
+// deleter is ours (any copy of that tensor would carry no state: a loud error, never a guess).
+void release_state(void* ctx) { delete static_cast<std::shared_ptr<BucketState>*>(ctx); }
+
+at::Tensor state_tensor(std::shared_ptr<BucketState> state) {
+  auto* owner = new std::shared_ptr<BucketState>(std::move(state));
+  at::DataPtr ptr(owner->get(), owner, &release_state, at::kCPU);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, std::move(ptr), nullptr, false);
+  return at::empty({0}, at::kByte).set_(std::move(storage), 0, {0}, {1});
+}
+
+BucketState& state_of(const at::Tensor& t) {
+  const at::DataPtr& ptr = t.storage().data_ptr();
+  TORCH_CHECK(ptr.get_deleter() == &release_state,
+              "fastdp bucket node: its saved state tensor was replaced by a copy");
+  return *static_cast<std::shared_ptr<BucketState>*>(ptr.get_context())->get();
+}
+
 struct Args {  // what forward needs once; nothing of it is kept
   std::vector<at::Tensor> replicas;
-  c10::intrusive_ptr<BucketState> state;
+  std::shared_ptr<BucketState> state;
 };
 
-// Whether every gradient of `row` can be summed into in place, by AccumulateGrad's rule for
-// stealing one (impl::is_tensor_stealable): this node holds the only reference, it is dense (no
-// expanded view) and strided, and no graph is being built (create_graph). A gradient that flows
-// to several places is shared, so its count is above 1. Saves an allocation per tensor.
+// Whether every gradient of `row` can be summed into in place, by autograd's own rule for
+// accumulating into a buffered gradient (InputBuffer's can_accumulate_inplace): a plain strided
+// tensor (no subclass, zero-tensor, nested, conj or neg bit), dense, this node holds the only
+// reference AND its storage has no other user (a view, e.g. of a gradient that another node
+// still reads, shares it), and no graph is being built (create_graph).
+bool can_sum_into(const at::Tensor& g) {
+  return g.layout() == at::kStrided && !at::isTensorSubclassLike(g) && !g._is_zerotensor() &&
+         !g.is_nested() && !g.is_conj() && !g.is_neg() && !g.requires_grad() &&
+         g.is_non_overlapping_and_dense() &&
+         torch::autograd::impl::is_tensor_stealable(g, 1 + at::caching::is_cached_tensor(g)) &&
+         g.has_storage() && g.storage().use_count() == 1;
+}
+
 bool sole_owner(const variable_list& row) {
   if (at::GradMode::is_enabled()) return false;
   for (const at::Tensor& g : row) {
-    if (g.use_count() != 1 || g.layout() != at::kStrided || !g.is_non_overlapping_and_dense() ||
-        g.requires_grad())
-      return false;
+    if (!can_sum_into(g)) return false;
   }
   return true;
 }
@@ -85,20 +114,14 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
                                at::TensorList sources) {
     const size_t n = sources.size();
     ctx->saved_data["n"] = static_cast<int64_t>(n);
-    ctx->saved_data["state"] = c10::IValue::make_capsule(args->state);
-    variable_list frozen;
-    for (size_t i = 0; i < args->replicas.size(); ++i) {
-      if (!sources[i % n].requires_grad()) frozen.push_back(args->replicas[i]);
-    }
-    if (!frozen.empty()) ctx->mark_non_differentiable(frozen);
+    ctx->saved_data["state"] = state_tensor(args->state);  // NOTE [ Bucket state in a tensor ]
     return args->replicas;
   }
 
   // `grads` by reference: CppNode passes its own list (moved from the engine) and never reads it
   // again, so moving out of it leaves this node the sole owner of each gradient.
   static variable_list backward(AutogradContext* ctx, variable_list& grads) {
-    auto state = c10::static_intrusive_pointer_cast<BucketState>(
-        ctx->saved_data["state"].toCapsule());
+    BucketState* state = &state_of(ctx->saved_data["state"].toTensor());
     const int64_t n = ctx->saved_data["n"].toInt();
     const int64_t r = static_cast<int64_t>(grads.size()) / n;
     std::vector<int64_t> needed;
@@ -112,11 +135,13 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
       for (int64_t k : needed) {
         at::Tensor g = std::move(grads[j * n + k]);  // sole owner where autograd made it
         if (!g.defined()) g = at::zeros(state->sizes[k], state->like[k].options());
-        local = local && g.device() == state->dest;
+        local = local && g.device() == state->dest && g.layout() == at::kStrided;
         rows[j].push_back(std::move(g));
       }
     }
-    local = local && r > 1;  // one row: reduce_rows copies it, as the Python node does
+    // One row: reduce_rows copies it, as the Python node does; a sparse gradient: reduce_rows
+    // sums it as DataParallel does (NOTE [ Sparse gradients ] in fastdp/reducer.py).
+    local = local && r > 1;
     state->hooks->on_backward(local);
     variable_list sums;
     if (needed.empty()) {
@@ -136,6 +161,15 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
 };
 
 }  // namespace
+}  // namespace fastdp
+
+// The node outlives each backward (NOTE [ Early reduction ] in fastdp/reducer.py) and saves no
+// variables, so there is nothing to release; marking it released would make compiled autograd,
+// which reads its saved variables, refuse every backward after the first.
+template <>
+void torch::autograd::CppNode<fastdp::BucketReduceFn>::release_variables() {}
+
+namespace fastdp {
 
 std::vector<at::Tensor> bucket_reduce_link(const std::vector<at::Tensor>& sources,
                                            const std::vector<at::Tensor>& replicas,
@@ -143,19 +177,36 @@ std::vector<at::Tensor> bucket_reduce_link(const std::vector<at::Tensor>& source
   TORCH_CHECK(!sources.empty() && replicas.size() % sources.size() == 0,
               "fastdp.bucket_reduce_link: ", replicas.size(), " replica tensors for ",
               sources.size(), " sources");
-  auto state = c10::make_intrusive<BucketState>();
+  // Only the sources that require grad go through the node: a frozen one's replica tensors stay
+  // as they are (no grad_fn), with no mark_non_differentiable (compiled autograd refuses it).
+  std::vector<size_t> linked;
+  for (size_t k = 0; k < sources.size(); ++k) {
+    if (sources[k].requires_grad()) linked.push_back(k);
+  }
+  if (linked.empty()) return replicas;
+  auto state = std::make_shared<BucketState>();
   state->hooks = std::move(hooks);
   state->dest = dest;
-  for (const auto& s : sources) {
-    state->like.push_back(at::empty({0}, s.options()));
-    state->sizes.push_back(s.sizes().vec());
+  std::vector<at::Tensor> inputs;
+  for (size_t k : linked) {
+    inputs.push_back(sources[k]);
+    state->like.push_back(at::empty({0}, sources[k].options()));
+    state->sizes.push_back(sources[k].sizes().vec());
   }
+  const size_t n = sources.size();
   auto args = std::make_shared<Args>();
-  args->replicas = replicas;
+  for (size_t j = 0; j < replicas.size(); j += n) {
+    for (size_t k : linked) args->replicas.push_back(replicas[j + k]);
+  }
   args->state = state;
   at::AutoGradMode grad_on(true);
   c10::InferenceMode not_inference(false);
-  return BucketReduceFn::apply(args, at::TensorList(sources));
+  std::vector<at::Tensor> outs = BucketReduceFn::apply(args, at::TensorList(inputs));
+  std::vector<at::Tensor> result = replicas;
+  for (size_t j = 0, i = 0; j < replicas.size(); j += n) {
+    for (size_t k : linked) result[j + k] = outs[i++];
+  }
+  return result;
 }
 
 }  // namespace fastdp

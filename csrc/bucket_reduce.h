@@ -21,7 +21,8 @@ struct BucketHooks {
 // sources.size() tensors per replica) outputs of one autograd node whose backward sums each
 // source's replica gradients, in row order, and hands the sums to the sources' gradient edges
 // (AccumulateGrad adds them into .grad). Same-device rows: one multi-tensor add per replica.
-// Returns the outputs (the replica tensors themselves). Grad mode must be on.
+// Returns the outputs (the replica tensors themselves; those of a source that does not require
+// grad are not linked). Grad mode must be on.
 std::vector<at::Tensor> bucket_reduce_link(const std::vector<at::Tensor>& sources,
                                            const std::vector<at::Tensor>& replicas,
                                            at::Device dest, std::shared_ptr<BucketHooks> hooks);

@@ -82,4 +82,37 @@ std::vector<int64_t> DictSnapshot::changed() {
   return out;
 }
 
+
+int DictSnapshot::traverse(visitproc visit, void* arg) const {
+  for (const auto& d : dicts_) Py_VISIT(d.ptr());
+  for (const auto& e : entries_) Py_VISIT(e.ptr());
+  return 0;
+}
+
+void DictSnapshot::clear() {
+  // Moved out first: releasing an object may run code that reaches this snapshot again.
+  std::vector<py::object> dicts = std::move(dicts_);
+  std::vector<py::object> entries = std::move(entries_);
+  dicts_.clear();
+  entries_.clear();
+  versions_.clear();
+  starts_.assign(1, 0);
+}
+
+void dict_snapshot_type_setup(PyHeapTypeObject* heap_type) {
+  PyTypeObject* type = &heap_type->ht_type;
+  type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+  type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) -> int {
+    Py_VISIT(Py_TYPE(self));  // a heap type: its instances own a reference to it
+    if (!py::detail::is_holder_constructed(self)) return 0;
+    return py::cast<const DictSnapshot&>(py::handle(self)).traverse(visit, arg);
+  };
+  type->tp_clear = [](PyObject* self) -> int {
+    if (py::detail::is_holder_constructed(self)) {
+      py::cast<DictSnapshot&>(py::handle(self)).clear();
+    }
+    return 0;
+  };
+}
+
 }  // namespace fastdp

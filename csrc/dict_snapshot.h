@@ -29,11 +29,21 @@ class FASTDP_PY_HIDDEN DictSnapshot {
 
   size_t size() const { return dicts_.size(); }
 
+  // The garbage collector's view of the bound object (see dict_snapshot_type_setup): every
+  // object held is visited; clear() releases them all (the snapshot then holds no dict).
+  int traverse(visitproc visit, void* arg) const;
+  void clear();
+
  private:
   std::vector<pybind11::object> dicts_;
   std::vector<uint64_t> versions_;  // NOTE [ Dict version fast path ] in dict_snapshot.cpp
   std::vector<size_t> starts_;  // dict i's entries are [starts_[i], starts_[i + 1])
   std::vector<pybind11::object> entries_;  // key, value, key, value, ...
 };
+
+// The type setup a pybind11 binding of DictSnapshot passes as py::custom_type_setup: it makes
+// the type garbage-collected (tp_traverse, tp_clear). Without it, a dict's value that refers
+// back to the snapshot's owner (a hook closing over it) is a cycle no collection frees.
+void dict_snapshot_type_setup(PyHeapTypeObject* heap_type);
 
 }  // namespace fastdp

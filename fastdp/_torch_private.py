@@ -9,6 +9,7 @@ compiled once they are imported.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "dynamo_context_of",
     "enclosing_dynamo_context",
     "disable_dynamo",
+    "untraced",
 ]
 
 MAX_SEQUENCE_NR = 2**64 - 1
@@ -103,6 +105,19 @@ def enclosing_dynamo_context() -> Any:
             return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
         f = f.f_back
     return None
+
+
+def untraced(fn: Any) -> Any:
+    """``fn`` run eagerly even where dynamo traces its caller (compiled autograd traces a Python
+    Function's backward): a graph break there. Costs one dict lookup while dynamo is not
+    imported, and never imports it."""
+    disabled = torch._disable_dynamo(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (disabled if "torch._dynamo" in sys.modules else fn)(*args, **kwargs)
+
+    return call
 
 
 def disable_dynamo(fn: Any) -> Any:

@@ -7,8 +7,9 @@ backward (one ``BucketReduce`` node per bucket), ``no_sync()``'s fold, and
 it packs each replica's gradients into one flat (one ``cat`` per replica), sums the flats that
 are already on the destination, reduces the rest with one transport call (NOTE [ Transports ] in
 ``fastdp/engine.py``) and returns views of the sum. Under ``create_graph=True`` the sum is made
-of differentiable ops instead; sparse gradients are summed one by one; when every gradient is on
-the destination (CPU replicas, repeated GPU ids) one multi-tensor add per replica needs no pack.
+of differentiable ops instead; sparse gradients as NOTE [ Sparse gradients ] says; when every
+gradient is on the destination (CPU replicas, repeated GPU ids) one multi-tensor add per replica
+needs no pack.
 
 NOTE [ Early reduction ]
 Each bucket's node returns the replicas' tensors of that bucket and, in backward, their sum to
@@ -51,7 +52,8 @@ def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
     if torch.is_grad_enabled() and any(g.requires_grad for row in rows for g in row):
         return _sum_each(rows, dest)  # differentiable: create_graph=True
     with torch.no_grad():
-        if all(row[0].device == dest for row in rows):  # foreach's slow path takes sparse too
+        if all(row[0].device == dest for row in rows) and _all_strided(first):
+            # a dense first row: foreach's slow path adds later sparse rows into it (dense)
             out = list(torch._foreach_add(list(first), list(rows[1])))
             for row in rows[2:]:
                 torch._foreach_add_(out, list(row))
@@ -72,18 +74,37 @@ def _sum_each(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> lis
     """Tensor by tensor, in row order: differentiable ops, and what cannot be flattened."""
     out = []
     for k in range(len(rows[0])):
-        total = rows[0][k].to(dest, copy=True)
-        for row in rows[1:]:
-            total = total + row[k].to(dest)
+        column = _densify_mixed([row[k] for row in rows])
+        total = column[0].to(dest, copy=True)
+        for g in column[1:]:
+            total = total + g.to(dest)
         out.append(total)
     return out
+
+
+# NOTE [ Sparse gradients ]
+# A tensor's gradients over the replicas are summed as torch's ``comm.reduce_add_coalesced``
+# sums them for DataParallel: all sparse (an embedding with ``sparse=True`` that every replica
+# used), a sparse sum; a mix of layouts (a replica that skipped it gets dense zeros), each made
+# dense first, then a dense sum. Only a dense first row can take the multi-tensor adds as they
+# are: a dense sum adds a sparse gradient into itself, a sparse one cannot take a dense one.
+def _densify_mixed(column: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor's gradients over the replicas, all sparse or all dense (see NOTE above)."""
+    layouts = {g.layout for g in column}
+    if len(layouts) == 1:
+        return column
+    return [g if g.layout == torch.strided else g.to_dense() for g in column]
+
+
+def _all_strided(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(g.layout == torch.strided for g in tensors)
 
 
 def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
     """One bucket whose rows are not all on ``dest``: one flatten per row, the rows on ``dest``
     summed there, then one transport reduce of that sum and the other rows' flats."""
     if {g.layout for row in rows for g in row} != {torch.strided}:  # one call, not one per g
-        return _sum_each(rows, dest)
+        return _reduce_sparse_bucket(rows, dest)
     flats = [torch.cat([g.reshape(-1) for g in row]) for row in rows]
     local = [f for f in flats if f.device == dest]
     parts = [f for f in flats if f.device != dest]
@@ -95,6 +116,24 @@ def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[t
     total = transport_for([dest]).reduce(parts, dest)
     return [piece.view(g.shape) for piece, g in
             zip(total.split([g.numel() for g in rows[0]]), rows[0])]
+
+
+def _reduce_sparse_bucket(rows: list[list[torch.Tensor]], dest: torch.device
+                          ) -> list[torch.Tensor]:
+    """A bucket with sparse gradients: the all-sparse columns summed one by one (sparse), the
+    others (mixed ones made dense) as a dense bucket (NOTE [ Sparse gradients ])."""
+    sparse = [k for k in range(len(rows[0])) if not any(row[k].layout == torch.strided
+                                                        for row in rows)]
+    results: list[Any] = [None] * len(rows[0])
+    for k, total in zip(sparse, _sum_each([[row[k] for k in sparse] for row in rows], dest)):
+        results[k] = total
+    dense = sorted(set(range(len(rows[0]))) - set(sparse))
+    if dense:
+        column_rows = [[row[k] if row[k].layout == torch.strided else row[k].to_dense()
+                        for k in dense] for row in rows]
+        for k, total in zip(dense, _reduce_bucket(column_rows, dest)):
+            results[k] = total
+    return results
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -201,6 +240,7 @@ class BucketReduce(Function):
         return tuple(outs)
 
     @staticmethod
+    @_torch_private.untraced  # as the C++ node: compiled autograd runs it, never traces it
     def backward(ctx, *grads):
         link = ctx.link
         link.pending.value = False

@@ -23,14 +23,15 @@ _MODULE = """
 #include <pybind11/stl.h>
 #include "dict_snapshot.h"
 PYBIND11_MODULE(_ds, m) {
-  pybind11::class_<fastdp::DictSnapshot>(m, "DictSnapshot")
+  pybind11::class_<fastdp::DictSnapshot>(
+      m, "DictSnapshot", pybind11::custom_type_setup(&fastdp::dict_snapshot_type_setup))
       .def(pybind11::init<const pybind11::list&>())
       .def("changed", &fastdp::DictSnapshot::changed);
 }
 """
 
 # Attribute stores after the specializing interpreter has warmed up, new and deleted keys, a
-# change undone, a plain dict, held references, the type check.
+# change undone, a plain dict, held references, a cycle through a snapshot, the type check.
 _CHECK = """
 import gc, sys, weakref
 sys.path.insert(0, sys.argv[1])
@@ -74,6 +75,13 @@ assert gone() is not None and s.changed() == [0]
 del s
 gc.collect()
 assert gone() is None
+o = Box()
+o.payload = Box()
+o.snap = S([o.__dict__])  # o.__dict__ -> snapshot -> o.__dict__: the collector must see it
+payload = weakref.ref(o.payload)
+del o
+gc.collect()
+assert payload() is None
 try:
     S([1])
     raise AssertionError("no TypeError")
