@@ -120,8 +120,9 @@ class ReplicaSet(LeafAccumulation):
         self.in_order = False  # NOTE [ Compiled replicas run in order ]
         self.leaf_mode = False
         self.marks: tuple = ()
-        self.held: list[torch.Tensor] | None = None  # see seal()
+        self.held: list[torch.Tensor] = []  # what the replicas held when last sealed
         self.held_ptrs: list[int] = []
+        self.reseal = True  # what the replicas hold changed since: see seal()
         self.shared_frozen: list[torch.Tensor] = []  # see _warn_shared_writes()
         self.shared_versions: list[int] = []
         self.warned_shared = False
@@ -261,7 +262,7 @@ class ReplicaSet(LeafAccumulation):
                 _point_rnn_cache(row[i])
         for j, i, key, k in self.buffer_slots:
             self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
-        self.held = None  # what the replicas hold changed: sealed again at the end of a refresh
+        self.reseal = True
 
     def valid(self, verified: Any = None) -> bool:
         """Whether the replicas still match the module. ``verified``: the wrapper's record of a
@@ -308,7 +309,7 @@ class ReplicaSet(LeafAccumulation):
             mark_static(self.buffer_copies)
         for j, i, key, k in self.buffer_slots:
             self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
-        self.held = None
+        self.reseal = True
 
     def _copy_buffers(self) -> None:
         if len(self.devices) > 1 and self.buffers:
@@ -330,10 +331,10 @@ class ReplicaSet(LeafAccumulation):
         leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
         self._count_buckets()
         self.group.reset()
-        if self.attrs.undo_forward_writes():
-            self._point_slots()
-        if self._tainted():
+        if self._tainted():  # first: what the last forward's replicas held, as sealed
             self._renew_all()
+        elif self.attrs.undo_forward_writes():
+            self._point_slots()
         if self.row0_originals == torch.is_grad_enabled():
             # DataParallel's replicate(detach=True) gives replica 0 the original tensors
             # themselves (a forward's .data = reaches them); with grad, views of them
@@ -364,7 +365,8 @@ class ReplicaSet(LeafAccumulation):
         """The replicas start a step as the set made them: their dicts, and what their tensors
         are (NOTE [ Tensors a forward changed ])."""
         self.attrs.seal()
-        if self.held is None:
+        if self.reseal:
+            self.reseal = False
             rows = self.leaves if self.leaf_mode else self.tensors
             # row 0 on the originals: those are checked by the wrapper's signature
             self.held = [t for row in rows[1 if self.row0_originals else 0:] for t in row] + [
@@ -397,8 +399,7 @@ class ReplicaSet(LeafAccumulation):
         Each step checks every tensor the replicas hold (one C-level pass for storage, one for
         hooks); a changed set gets fresh tensors (and nodes), as DataParallel's would be."""
         held = self.held
-        return held is not None and (list(map(torch.Tensor.data_ptr, held)) != self.held_ptrs
-                                     or any(map(_HOOKS, held)))
+        return list(map(torch.Tensor.data_ptr, held)) != self.held_ptrs or any(map(_HOOKS, held))
 
     def _renew_all(self) -> None:
         """Fresh tensors for every replica (NOTE [ Tensors a forward changed ]); gradients

@@ -124,6 +124,17 @@ class Reassigns(nn.Module):
         return out
 
 
+class HookAndReassign(Reassigns):
+    def forward(self, x):
+        self.lin.weight.register_hook(lambda g: g * 0.5)
+        return super().forward(x)
+
+
+def test_hook_and_reassignment_in_one_forward():
+    """Restoring the replicas' dicts must not hide the hook from the tensor check."""
+    _train(_pair(HookAndReassign()), steps=3)
+
+
 def test_buffers_parameters_and_submodules_reassigned_in_forward_are_not_kept():
     _train(_pair(Reassigns()), steps=3)
 
