@@ -173,8 +173,9 @@ class Chunked(Runner):
         total = grads[0]
         for g in grads[1:]:
             total = total + g
-        for fn in self.hooks.get(name, []):
-            total = fn(total)
+        for owner, fn in self.hooks.get(name, []):
+            if owner is self.param(name):  # load_state_dict(assign=True) drops its hooks
+                total = fn(total)
         return total
 
     def backward(self, loss: torch.Tensor, names: list[str] | None = None, **kw: Any) -> None:
@@ -217,7 +218,7 @@ class Chunked(Runner):
 
     def add_hook(self, name: str, fn: Any) -> None:
         self.param(name).register_hook(fn).remove()  # raises as the wrappers' runners do
-        self.hooks.setdefault(name, []).append(fn)
+        self.hooks.setdefault(name, []).append((self.param(name), fn))
 
 
 def _tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
