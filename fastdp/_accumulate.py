@@ -50,7 +50,8 @@ def fold(pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
          stats: dict[str, int] | None = None) -> int:
     """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
     in-place add) through the one reducer (NOTE [ One reducer ]); returns how many sources
-    received gradients. A source no replica computed a gradient for stays as it was."""
+    received gradients. A source that requires grad and that no replica computed a gradient
+    for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one)."""
     received = 0
     for sources, leaves in pending:
         hit = [k for k in range(len(sources)) if any(row[k].grad is not None for row in leaves)]
@@ -58,6 +59,9 @@ def fold(pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
                  for k in hit] for row in leaves if any(row[k].grad is not None for k in hit)]
         if not hit:
             continue
+        for s in sources:
+            if s.grad is None and s.requires_grad:
+                s.grad = torch.zeros_like(s)
         with torch.no_grad():
             totals = reduce_add(rows, sources[0].device, stats=stats)  # never a leaf's .grad
             for k, total in zip(hit, totals):
