@@ -38,16 +38,21 @@ def grad_marks(sources: list[torch.Tensor]) -> tuple:
     return tuple(None if s.grad is None else (id(s.grad), s.grad._version) for s in sources)
 
 
-def make_leaves(tensors: list[list[torch.Tensor]], sources: list[torch.Tensor]
-                ) -> list[list[torch.Tensor]]:
+def make_leaves(
+    tensors: list[list[torch.Tensor]], sources: list[torch.Tensor]
+) -> list[list[torch.Tensor]]:
     """Per replica, leaves on the persistent tensors' storage (requires_grad as the sources)."""
     with torch.inference_mode(False), torch.no_grad():
-        return [[t.detach().requires_grad_(s.requires_grad) for t, s in zip(row, sources)]
-                for row in tensors]
+        return [
+            [t.detach().requires_grad_(s.requires_grad) for t, s in zip(row, sources)]
+            for row in tensors
+        ]
 
 
-def fold(pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
-         stats: dict[str, int] | None = None) -> int:
+def fold(
+    pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
+    stats: dict[str, int] | None = None,
+) -> int:
     """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
     in-place add) through the one reducer (NOTE [ One reducer ]); returns how many sources
     received gradients. A source that requires grad and that no replica computed a gradient
@@ -55,8 +60,11 @@ def fold(pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
     received = 0
     for sources, leaves in pending:
         hit = [k for k in range(len(sources)) if any(row[k].grad is not None for row in leaves)]
-        rows = [[row[k].grad if row[k].grad is not None else torch.zeros_like(row[k])
-                 for k in hit] for row in leaves if any(row[k].grad is not None for k in hit)]
+        rows = [
+            [row[k].grad if row[k].grad is not None else torch.zeros_like(row[k]) for k in hit]
+            for row in leaves
+            if any(row[k].grad is not None for k in hit)
+        ]
         if not hit:
             continue
         for s in sources:

@@ -38,17 +38,23 @@ class _PyDictSnapshot:
         self.values = tuple(chain.from_iterable(map(dict.values, dicts)))
 
     def changed(self) -> list[int]:
-        if (list(map(len, self.dicts)) == self.sizes
-                and all(map(operator.is_, chain.from_iterable(self.dicts), self.keys))
-                and all(map(operator.is_, chain.from_iterable(map(dict.values, self.dicts)),
-                            self.values))):
+        if (
+            list(map(len, self.dicts)) == self.sizes
+            and all(map(operator.is_, chain.from_iterable(self.dicts), self.keys))
+            and all(
+                map(operator.is_, chain.from_iterable(map(dict.values, self.dicts)), self.values)
+            )
+        ):
             return []
         out, start = [], 0
         for i, (d, n) in enumerate(zip(self.dicts, self.sizes)):
-            keys, values = self.keys[start:start + n], self.values[start:start + n]
+            keys, values = self.keys[start : start + n], self.values[start : start + n]
             start += n
-            if (len(d) != n or not all(map(operator.is_, d, keys))
-                    or not all(map(operator.is_, d.values(), values))):
+            if (
+                len(d) != n
+                or not all(map(operator.is_, d, keys))
+                or not all(map(operator.is_, d.values(), values))
+            ):
                 out.append(i)
         return out
 
@@ -68,8 +74,9 @@ def module_dicts(modules: Iterable[Module]) -> list[dict]:
     for m in modules:
         d = m.__dict__
         out.append(d)
-        out.extend(d[k] for k in ("_parameters", "_buffers", "_modules")
-                   if isinstance(d.get(k), dict))  # TorchScript modules hold wrappers
+        out.extend(
+            d[k] for k in ("_parameters", "_buffers", "_modules") if isinstance(d.get(k), dict)
+        )  # TorchScript modules hold wrappers
     return out
 
 

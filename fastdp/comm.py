@@ -70,7 +70,8 @@ def broadcast_coalesced(
         if t.device != devs[0]:
             raise RuntimeError(
                 f"fastdp.comm.broadcast_coalesced: every tensor must be on devices[0] "
-                f"({devs[0]}), but one is on {t.device}")
+                f"({devs[0]}), but one is on {t.device}"
+            )
     layout = engine.Layout(tensors, devs, range(1, len(devs)), buffer_size)
     layout.refresh(tensors, None)
     return [tensors] + [list(layout.rows[j]) for j in range(1, len(devs))]
@@ -94,7 +95,8 @@ def reduce_add_coalesced(
         if len(x) != len(inputs[0]):
             raise RuntimeError(
                 "fastdp.comm.reduce_add_coalesced: every device needs as many tensors "
-                f"({len(inputs[0])}), got {len(x)}")
+                f"({len(inputs[0])}), got {len(x)}"
+            )
     dest = inputs[0][0].device if destination is None else as_device(destination)
     with torch.no_grad():
         return reduce_add(inputs, dest, buffer_size)
@@ -130,8 +132,10 @@ def scatter(
         sizes = plan_chunks([tensor.size(dim)], len(devs))[0]
     else:
         sizes = plan_chunks([tensor.size(dim)], len(devs), list(chunk_sizes))[0]
-    return tuple(scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])[r][0]
-                 for r in range(len(sizes)))
+    return tuple(
+        scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])[r][0]
+        for r in range(len(sizes))
+    )
 
 
 def scatter_leaves(
@@ -148,16 +152,21 @@ def scatter_leaves(
     devices = [d if isinstance(d, torch.device) else as_device(d) for d in devices]
     ext = _copy_ext(leaves, devices)
     if ext is not None:
-        out = [list(r) for r in ext.scatter_chunks(list(leaves), [list(p) for p in plan],
-                                                   list(dims), list(devices))]
-        return out + [[] for _ in devices[len(out):]]
+        out = [
+            list(r)
+            for r in ext.scatter_chunks(
+                list(leaves), [list(p) for p in plan], list(dims), list(devices)
+            )
+        ]
+        return out + [[] for _ in devices[len(out) :]]
     out = [[] for _ in devices]
     for leaf, sizes, dim in zip(leaves, plan, dims):
         for r, chunk in enumerate(leaf.split(list(sizes), dim)):
             dev = devices[r]
             # non_blocking only towards a GPU: a non-blocking D2H could be read before it landed.
-            out[r].append(chunk if chunk.device == dev else
-                          chunk.to(dev, non_blocking=dev.type == "cuda"))
+            out[r].append(
+                chunk if chunk.device == dev else chunk.to(dev, non_blocking=dev.type == "cuda")
+            )
     return out
 
 

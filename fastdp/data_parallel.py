@@ -135,7 +135,8 @@ class FastDataParallel(DataParallel):
         self.bucket_cap_mb = bucket_cap_mb
         if scalar_outputs not in ("stack", "mean", "sum"):
             raise ValueError(
-                f"fastdp: scalar_outputs must be 'stack', 'mean' or 'sum', got {scalar_outputs!r}")
+                f"fastdp: scalar_outputs must be 'stack', 'mean' or 'sum', got {scalar_outputs!r}"
+            )
         self.scalar_outputs = scalar_outputs
         self.strict_chunks = strict_chunks
         self._drop_warned = False
@@ -154,7 +155,8 @@ class FastDataParallel(DataParallel):
         self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
         devs = self._resolve_devices(device_ids)
         self.chunk_sizes, self.balance = _balance.check_split_args(
-            chunk_sizes, balance, None if devs is None else len(devs))
+            chunk_sizes, balance, None if devs is None else len(devs)
+        )
         if devs is None:
             self.device_ids = []
             return
@@ -162,8 +164,9 @@ class FastDataParallel(DataParallel):
         self.device_ids = [public_id(d) for d in devs]
         out = devs[0] if output_device is None else as_device(output_device)
         self._output = out
-        self.output_device = public_id(out) if out.type == "cuda" else (
-            -1 if devs[0].type == "cuda" else out)
+        self.output_device = (
+            public_id(out) if out.type == "cuda" else (-1 if devs[0].type == "cuda" else out)
+        )
         self.src_device_obj = devs[0]
         if devs[0].type == "cuda":
             _check_balance(self.device_ids)
@@ -251,8 +254,9 @@ class FastDataParallel(DataParallel):
             return self.replicate(self.module, ids, plan=plan)
         return self.replicate(self.module, ids)  # a subclass's DataParallel-signature seam
 
-    def _launch_step(self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any],
-                     kwargs: Sequence[Any]) -> list[Any]:
+    def _launch_step(
+        self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any], kwargs: Sequence[Any]
+    ) -> list[Any]:
         on = {"devices": plan.devices[: len(inputs)]} if plan.custom else {}
         rs = getattr(replicas, "replica_set", None)
         if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
@@ -263,8 +267,9 @@ class FastDataParallel(DataParallel):
         with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
             return self.parallel_apply(replicas, inputs, kwargs, **on)
 
-    def _gather_step(self, plan: StepPlan, outputs: list[Any], inputs: Sequence[Any],
-                     kwargs: Sequence[Any]) -> Any:
+    def _gather_step(
+        self, plan: StepPlan, outputs: list[Any], inputs: Sequence[Any], kwargs: Sequence[Any]
+    ) -> Any:
         if not self.gather_output:  # [beyond DP]
             n = len(outputs)
             return Scattered(outputs, plan.rows(n), plan.devices[:n], self.dim, self._output)
@@ -346,8 +351,9 @@ class FastDataParallel(DataParallel):
         if self.gather_output:
             return output
         device = plan.devices[0] if plan.devices else None
-        return Scattered([output], None if plan.batch is None else [plan.batch], [device],
-                         self.dim, None)
+        return Scattered(
+            [output], None if plan.batch is None else [plan.batch], [device], self.dim, None
+        )
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``Module.load_state_dict`` taking ``module.``-prefixed (DataParallel, DDP) or bare keys
@@ -377,8 +383,11 @@ class FastDataParallel(DataParallel):
         tensors = list(chain(self.module.parameters(), self.module.buffers()))
         if any(isinstance(t, UninitializedParameter) for t in tensors):
             return None  # lazy modules: replicate raises DataParallel's error
-        self._checked = (snapshot(module_dicts(self.module.modules())), tensor_signature(tensors),
-                         tensors)
+        self._checked = (
+            snapshot(module_dicts(self.module.modules())),
+            tensor_signature(tensors),
+            tensors,
+        )
         return None
 
     def invalidate_replicas(self) -> None:
@@ -387,8 +396,9 @@ class FastDataParallel(DataParallel):
         self._replica_sets.clear()
         self._checked = None
 
-    def replicate(self, module: Module, device_ids: Sequence[Any], *,
-                  plan: StepPlan | None = None) -> list[Module]:
+    def replicate(
+        self, module: Module, device_ids: Sequence[Any], *, plan: StepPlan | None = None
+    ) -> list[Module]:
         """DataParallel's ``replicate``; persistent replicas come back as a list whose
         ``replica_set`` is their set. ``plan``: the step's (context, verified signature)."""
         devs = _devs(device_ids, self)
@@ -413,23 +423,43 @@ class FastDataParallel(DataParallel):
             self._pending_sets[id(rs)] = rs
         return replicas
 
-    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
-                device_ids: Sequence[Any], chunk_sizes: Sequence[int] | None = None) -> Any:
-        return scatter_kwargs(inputs, kwargs, _devs(device_ids, self), dim=self.dim,
-                              chunk_sizes=chunk_sizes, on_drop=self._rows_dropped)
+    def scatter(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        device_ids: Sequence[Any],
+        chunk_sizes: Sequence[int] | None = None,
+    ) -> Any:
+        return scatter_kwargs(
+            inputs,
+            kwargs,
+            _devs(device_ids, self),
+            dim=self.dim,
+            chunk_sizes=chunk_sizes,
+            on_drop=self._rows_dropped,
+        )
 
     def _rows_dropped(self, message: str) -> None:
         """NOTE [ DataParallel's chunking ]: one warning per wrapper, or an error."""
         if self.strict_chunks:
-            raise ValueError(message.replace(" Pass strict_chunks=True to make this an error.",
-                                             " (strict_chunks=True)"))
+            raise ValueError(
+                message.replace(
+                    " Pass strict_chunks=True to make this an error.", " (strict_chunks=True)"
+                )
+            )
         if not self._drop_warned:
             self._drop_warned = True
             warnings.warn(message, UserWarning, stacklevel=6)
 
-    def parallel_apply(self, replicas: Sequence[Module], inputs: Sequence[Any],
-                       kwargs: Any, devices: Sequence[Any] | None = None, *,
-                       launch: str | None = None) -> list[Any]:
+    def parallel_apply(
+        self,
+        replicas: Sequence[Module],
+        inputs: Sequence[Any],
+        kwargs: Any,
+        devices: Sequence[Any] | None = None,
+        *,
+        launch: str | None = None,
+    ) -> list[Any]:
         """``launch`` overrides the wrapper's strategy for this call (compiled replica sets run
         ``"inline"``: NOTE [ Compiled replicas run in order ] in ``fastdp/_compiled.py``)."""
         if devices is None:
@@ -475,12 +505,18 @@ class FastDataParallel(DataParallel):
         strategy."""
         return self.strategy.report()
 
-    def gather(self, outputs: Any, output_device: Any, *,
-               weights: Sequence[int] | None = None) -> Any:
+    def gather(
+        self, outputs: Any, output_device: Any, *, weights: Sequence[int] | None = None
+    ) -> Any:
         """DataParallel's ``gather``; 0-dim outputs as ``scalar_outputs`` says (``weights``:
         each replica's rows, for ``"mean"``)."""
-        return gather(outputs, _dev(output_device, self), dim=self.dim,
-                      scalars=self.scalar_outputs, weights=weights)
+        return gather(
+            outputs,
+            _dev(output_device, self),
+            dim=self.dim,
+            scalars=self.scalar_outputs,
+            weights=weights,
+        )
 
 
 @functools.cache

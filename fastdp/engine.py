@@ -32,8 +32,15 @@ from typing import Any
 import torch
 from torch.nn.parallel import comm as torch_comm
 
-__all__ = ["DEFAULT_CAP_MB", "FIRST_BUCKET_BYTES", "Layout", "assign_buckets", "cpu_distinct",
-           "new_stats", "transport_for"]
+__all__ = [
+    "DEFAULT_CAP_MB",
+    "FIRST_BUCKET_BYTES",
+    "Layout",
+    "assign_buckets",
+    "cpu_distinct",
+    "new_stats",
+    "transport_for",
+]
 
 DEFAULT_CAP_MB = 25.0
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -90,8 +97,9 @@ def assign_buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[li
     return done
 
 
-def _on_storage(flat: torch.Tensor, offset: int, shape: torch.Size,
-                stride: tuple[int, ...]) -> torch.Tensor:
+def _on_storage(
+    flat: torch.Tensor, offset: int, shape: torch.Size, stride: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor on ``flat``'s storage at ``offset`` elements, with a version counter of its own
     (not an autograd view: replicas' tensors are independent, as DataParallel's)."""
     with torch.no_grad():
@@ -150,12 +158,16 @@ class _CudaTransport:
 
     @staticmethod
     def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
-        if dest.type != "cuda" or all(f.device != dest for f in flats) or any(
-                f.layout != torch.strided for f in flats):
+        if (
+            dest.type != "cuda"
+            or all(f.device != dest for f in flats)
+            or any(f.layout != torch.strided for f in flats)
+        ):
             return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
         if flats[0].dtype.is_complex:  # NCCL has no complex types; pairwise sums are the same
             return torch.view_as_complex(
-                torch_comm.reduce_add([_as_real(f) for f in flats], dest.index))
+                torch_comm.reduce_add([_as_real(f) for f in flats], dest.index)
+            )
         return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
 
 
@@ -171,9 +183,14 @@ class Layout:
     """Persistent copies of ``tensors`` for the rows ``copy_rows`` of ``devices`` (row 0 is the
     source device), grouped into buckets (NOTE [ Buckets ])."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], devices: Sequence[torch.device],
-                 copy_rows: Sequence[int], cap_bytes: float,
-                 buckets: list[list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        devices: Sequence[torch.device],
+        copy_rows: Sequence[int],
+        cap_bytes: float,
+        buckets: list[list[int]] | None = None,
+    ) -> None:
         self.devices = list(devices)
         self.copy_rows = list(copy_rows)
         self.buckets = assign_buckets(tensors, cap_bytes) if buckets is None else buckets
@@ -187,47 +204,64 @@ class Layout:
         # NOTE [ Buckets ]: staging only where a copy leaves the source device
         self.direct = all(self.devices[j] == src for j in self.copy_rows)
         with torch.inference_mode(False), torch.no_grad():
-            self.staging = [] if self.direct else [
-                self._storage(tensors, b, k, src) for k, b in enumerate(self.buckets)]
-            self.staging_views = [self._views(s, tensors, b, k, alias=False)
-                                  for k, (s, b) in enumerate(zip(self.staging, self.buckets))]
+            self.staging = (
+                []
+                if self.direct
+                else [self._storage(tensors, b, k, src) for k, b in enumerate(self.buckets)]
+            )
+            self.staging_views = [
+                self._views(s, tensors, b, k, alias=False)
+                for k, (s, b) in enumerate(zip(self.staging, self.buckets))
+            ]
             self.flats: dict[int, list[torch.Tensor]] = {}
             self.rows: dict[int, list[torch.Tensor | None]] = {}
             for j in self.copy_rows:
-                flats = [self._storage(tensors, b, k, self.devices[j])
-                         for k, b in enumerate(self.buckets)]
+                flats = [
+                    self._storage(tensors, b, k, self.devices[j])
+                    for k, b in enumerate(self.buckets)
+                ]
                 row: list[torch.Tensor | None] = [None] * len(tensors)
                 for k, (f, b) in enumerate(zip(flats, self.buckets)):
                     for i, t in zip(b, self._views(f, tensors, b, k, alias=True)):
                         row[i] = t
                 self.flats[j], self.rows[j] = flats, row
-            self.row_views = {j: [[self.rows[j][i] for i in b] for b in self.buckets]
-                              for j in self.copy_rows} if self.direct else {}
+            self.row_views = (
+                {j: [[self.rows[j][i] for i in b] for b in self.buckets] for j in self.copy_rows}
+                if self.direct
+                else {}
+            )
 
     def add_memory(self, out: dict[str, dict[str, int]]) -> None:
         """Add the bytes this layout holds to ``out[device]["replicas"]`` (the copy rows' flats)
         and ``out[device]["staging"]``."""
-        for kind, flats in [("staging", self.staging), *(("replicas", f)
-                                                       for f in self.flats.values())]:
+        for kind, flats in [
+            ("staging", self.staging),
+            *(("replicas", f) for f in self.flats.values()),
+        ]:
             for f in flats:
                 per = out.setdefault(str(f.device), {"replicas": 0, "staging": 0})
                 per[kind] += nbytes(f)
 
-    def _storage(self, tensors: Sequence[torch.Tensor], b: list[int], k: int,
-                 device: torch.device) -> torch.Tensor:
+    def _storage(
+        self, tensors: Sequence[torch.Tensor], b: list[int], k: int, device: torch.device
+    ) -> torch.Tensor:
         if not self.flat[k]:
             return torch.empty_like(tensors[b[0]], device=device)
         return torch.empty(sum(self.numels[k]), dtype=tensors[b[0]].dtype, device=device)
 
-    def _views(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], b: list[int], k: int,
-               alias: bool) -> list[torch.Tensor]:
+    def _views(
+        self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], b: list[int], k: int, alias: bool
+    ) -> list[torch.Tensor]:
         if not self.flat[k]:
             return [flat]
         out, offset = [], 0
         for i, n in zip(b, self.numels[k]):
             shape, stride = self.shapes[i], self.strides[i]
-            out.append(_on_storage(flat, offset, shape, stride) if alias
-                       else flat.as_strided(shape, stride, flat.storage_offset() + offset))
+            out.append(
+                _on_storage(flat, offset, shape, stride)
+                if alias
+                else flat.as_strided(shape, stride, flat.storage_offset() + offset)
+            )
             offset += n
         return out
 
@@ -252,8 +286,9 @@ class Layout:
                     torch._foreach_copy_(self.staging_views[k], [tensors[i] for i in b])
                 else:
                     self.staging[k].copy_(tensors[b[0]])
-                self.transport.broadcast(self.staging[k], [self.flats[j][k]
-                                                           for j in self.copy_rows])
+                self.transport.broadcast(
+                    self.staging[k], [self.flats[j][k] for j in self.copy_rows]
+                )
                 count(stats, "broadcast", self.bytes[k])
 
 

@@ -35,9 +35,13 @@ from fastdp import _backend, _torch_private
 from fastdp.engine import assign_buckets, count, transport_for
 
 
-def reduce_add(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device,
-               cap_bytes: float = float("inf"), stats: dict[str, int] | None = None,
-               nbytes: int | None = None) -> list[torch.Tensor]:
+def reduce_add(
+    rows: Sequence[Sequence[torch.Tensor]],
+    dest: torch.device,
+    cap_bytes: float = float("inf"),
+    stats: dict[str, int] | None = None,
+    nbytes: int | None = None,
+) -> list[torch.Tensor]:
     """``result[k] = rows[0][k] + rows[1][k] + ...`` on ``dest`` (NOTE [ One reducer ]).
 
     Rows are replicas, in order; each row lives on one device. Sums run in row order (the
@@ -114,23 +118,26 @@ def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[t
             total = total + f
         parts.insert(0, total)
     total = transport_for([dest]).reduce(parts, dest)
-    return [piece.view(g.shape) for piece, g in
-            zip(total.split([g.numel() for g in rows[0]]), rows[0])]
+    return [
+        piece.view(g.shape) for piece, g in zip(total.split([g.numel() for g in rows[0]]), rows[0])
+    ]
 
 
-def _reduce_sparse_bucket(rows: list[list[torch.Tensor]], dest: torch.device
-                          ) -> list[torch.Tensor]:
+def _reduce_sparse_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
     """A bucket with sparse gradients: the all-sparse columns summed one by one (sparse), the
     others (mixed ones made dense) as a dense bucket (NOTE [ Sparse gradients ])."""
-    sparse = [k for k in range(len(rows[0])) if not any(row[k].layout == torch.strided
-                                                        for row in rows)]
+    sparse = [
+        k for k in range(len(rows[0])) if not any(row[k].layout == torch.strided for row in rows)
+    ]
     results: list[Any] = [None] * len(rows[0])
     for k, total in zip(sparse, _sum_each([[row[k] for k in sparse] for row in rows], dest)):
         results[k] = total
     dense = sorted(set(range(len(rows[0]))) - set(sparse))
     if dense:
-        column_rows = [[row[k] if row[k].layout == torch.strided else row[k].to_dense()
-                        for k in dense] for row in rows]
+        column_rows = [
+            [row[k] if row[k].layout == torch.strided else row[k].to_dense() for k in dense]
+            for row in rows
+        ]
         for k, total in zip(dense, _reduce_bucket(column_rows, dest)):
             results[k] = total
     return results
@@ -208,8 +215,15 @@ class BucketLink:
 
     __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group")
 
-    def __init__(self, index: int, sources: Sequence[torch.Tensor], dest: torch.device,
-                 stats: dict[str, int] | None, pending: Pending, group: BucketGroup) -> None:
+    def __init__(
+        self,
+        index: int,
+        sources: Sequence[torch.Tensor],
+        dest: torch.device,
+        stats: dict[str, int] | None,
+        pending: Pending,
+        group: BucketGroup,
+    ) -> None:
         self.index, self.n, self.nbytes = index, len(sources), _bytes(sources)
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
 
@@ -233,8 +247,9 @@ class BucketReduce(Function):
     def forward(ctx, link, rows, *sources):
         ctx.link = link
         outs = [t for row in rows for t in row]
-        frozen = [row[k] for k in range(len(sources)) if not ctx.needs_input_grad[2 + k]
-                  for row in rows]
+        frozen = [
+            row[k] for k in range(len(sources)) if not ctx.needs_input_grad[2 + k] for row in rows
+        ]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
         return tuple(outs)
@@ -246,11 +261,15 @@ class BucketReduce(Function):
         link.pending.value = False
         link.group.bucket_ran(link.index)
         n = link.n
-        return (None, None, *link.reduce_rows([grads[j:j + n] for j in range(0, len(grads), n)]))
+        return (None, None, *link.reduce_rows([grads[j : j + n] for j in range(0, len(grads), n)]))
 
 
-def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
-                sources: Sequence[torch.Tensor], native: bool = False) -> Any:
+def link_bucket(
+    link: BucketLink,
+    rows: Sequence[Sequence[torch.Tensor]],
+    sources: Sequence[torch.Tensor],
+    native: bool = False,
+) -> Any:
     """Apply the bucket's node (grad mode on) and give it the earliest turn in backward.
 
     ``native``: the extension's C++ node (made once per tensor set: the Python Function's
@@ -258,8 +277,9 @@ def link_bucket(link: BucketLink, rows: Sequence[Sequence[torch.Tensor]],
     Function above, the same sums."""
     ext = _backend.ext() if native else None
     if ext is not None:
-        outs = ext.bucket_reduce_link(list(sources), [t for row in rows for t in row],
-                                      link.dest, link.ran, link.reduce_rows)
+        outs = ext.bucket_reduce_link(
+            list(sources), [t for row in rows for t in row], link.dest, link.ran, link.reduce_rows
+        )
     else:
         outs = BucketReduce.apply(link, rows, *sources)
     node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)

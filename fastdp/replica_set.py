@@ -41,7 +41,8 @@ _SHARED_WRITE = (
     "fastdp: a forward wrote in place to a frozen parameter that replicas on the same device share "
     "with the original (CPU replicas, repeated GPU ids): the write landed once per replica, where "
     "replicas on distinct GPUs each write a copy of their own. FASTDP_CPU_DISTINCT=1 gives CPU "
-    "replicas storage of their own; or keep such statistics in a buffer.")
+    "replicas storage of their own; or keep such statistics in a buffer."
+)
 
 
 def _point_rnn_cache(r: Module) -> None:
@@ -57,8 +58,10 @@ def tensor_signature(tensors: list[torch.Tensor]) -> Any:
     ext = _backend.ext()
     if ext is not None:
         return ext.tensor_signature(tensors)
-    return tuple((id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                 for t in tensors)
+    return tuple(
+        (id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+        for t in tensors
+    )
 
 
 class Replicas(list):
@@ -92,9 +95,14 @@ class ReplicaSet(LeafAccumulation):
 
     alias_same_device = True  # tests turn it off to exercise the copy path on one device
 
-    def __init__(self, network: Module, devices: list[torch.device],
-                 compile_ctx: Any = None, cap_bytes: float = engine.DEFAULT_CAP_MB * 2**20,
-                 stats: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        network: Module,
+        devices: list[torch.device],
+        compile_ctx: Any = None,
+        cap_bytes: float = engine.DEFAULT_CAP_MB * 2**20,
+        stats: dict[str, int] | None = None,
+    ) -> None:
         params = list(network.parameters())
         check_replicatable(network, params)
         self.devices = list(devices)
@@ -142,18 +150,23 @@ class ReplicaSet(LeafAccumulation):
     def _new_tensors(self) -> list[list[torch.Tensor]]:
         with torch.inference_mode(False):
             first = [s.detach() for s in self.sources]  # replica 0: storage and version shared
-            self.copy_rows = [j for j in range(1, len(self.devices))
-                              if not (self.devices[j] == self.src_device and self.alias)]
-            self.layout = engine.Layout(self.sources, self.devices, self.copy_rows,
-                                        self.cap_bytes)
-            rest = [self.layout.rows[j] if j in self.layout.rows
-                    else [_alias(s) for s in self.sources] for j in range(1, len(self.devices))]
+            self.copy_rows = [
+                j
+                for j in range(1, len(self.devices))
+                if not (self.devices[j] == self.src_device and self.alias)
+            ]
+            self.layout = engine.Layout(self.sources, self.devices, self.copy_rows, self.cap_bytes)
+            rest = [
+                self.layout.rows[j] if j in self.layout.rows else [_alias(s) for s in self.sources]
+                for j in range(1, len(self.devices))
+            ]
         return [first] + rest
 
     def _new_buffer_copies(self) -> None:
         """Buffers of replicas 1.. are always copies (BatchNorm updates them in place)."""
-        self.buffer_layout = engine.Layout(self.buffers, self.devices,
-                                           range(1, len(self.devices)), self.cap_bytes)
+        self.buffer_layout = engine.Layout(
+            self.buffers, self.devices, range(1, len(self.devices)), self.cap_bytes
+        )
         self.buffer_copies = [self.buffer_layout.rows[j] for j in range(1, len(self.devices))]
 
     def _node_buckets(self) -> list[list[int]]:
@@ -168,18 +181,28 @@ class ReplicaSet(LeafAccumulation):
         self.pending = Pending(False) if pending is None else pending
         self.probes = []
         if self._bucket_rows[0] is not self.tensors:  # per tensor set, not per step
-            self._bucket_rows = (self.tensors, [
-                ([[row[i] for i in b] for row in self.tensors], [self.sources[i] for i in b])
-                for b in self._node_buckets()])
+            self._bucket_rows = (
+                self.tensors,
+                [
+                    ([[row[i] for i in b] for row in self.tensors], [self.sources[i] for i in b])
+                    for b in self._node_buckets()
+                ],
+            )
         with torch.enable_grad(), torch.inference_mode(False):
             for b, (rows, sources) in enumerate(self._bucket_rows[1]):
-                link_bucket(BucketLink(b, sources, self.src_device, self.stats, self.pending,
-                                       self.group), rows, sources, native=self.linked)
+                link_bucket(
+                    BucketLink(b, sources, self.src_device, self.stats, self.pending, self.group),
+                    rows,
+                    sources,
+                    native=self.linked,
+                )
         ext = _backend.ext()
         if self.linked and ext is not None:
             for bucket in self.layout.buckets:
-                probe = next((self.tensors[0][i] for i in bucket
-                              if self.tensors[0][i].grad_fn is not None), None)
+                probe = next(
+                    (self.tensors[0][i] for i in bucket if self.tensors[0][i].grad_fn is not None),
+                    None,
+                )
                 if probe is not None:
                     self.probes.append((probe, ext.grad_fn_use_count(probe)))
 
@@ -227,9 +250,13 @@ class ReplicaSet(LeafAccumulation):
         from fastdp.sync_batchnorm import _syncable
 
         self.replicas_interact = any(
-            _syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules)
-        return len(self.devices) > 1 and not self.replicas_interact and (
-            self.compile_ctx is not None or any(is_compiled(m) for m in self.modules))
+            _syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules
+        )
+        return (
+            len(self.devices) > 1
+            and not self.replicas_interact
+            and (self.compile_ctx is not None or any(is_compiled(m) for m in self.modules))
+        )
 
     def _assign(self, tensors: list[list[torch.Tensor]] | None = None) -> None:
         """Point every replica's parameter slots at ``tensors`` (default ``self.tensors``: build
@@ -324,7 +351,8 @@ class ReplicaSet(LeafAccumulation):
     def _count_buckets(self) -> None:
         if self.stats is not None:
             self.stats["buckets"] = len(self.layout.buckets) + (
-                len(self.buffer_layout.buckets) if len(self.devices) > 1 else 0)
+                len(self.buffer_layout.buckets) if len(self.devices) > 1 else 0
+            )
 
     def refresh(self, no_sync: bool = False) -> list[Module]:
         """This step's replicas: tensors refreshed from the originals, autograd linked (on
@@ -340,8 +368,12 @@ class ReplicaSet(LeafAccumulation):
             # themselves (a forward's .data = reaches them); with grad, views of them
             self.row0_originals = not self.row0_originals
             self._point_slots()
-        if (no_sync and self.any_grad and torch.is_grad_enabled()
-                and not has_grad_hooks(self.sources)):  # NOTE [ no_sync ]
+        if (
+            no_sync
+            and self.any_grad
+            and torch.is_grad_enabled()
+            and not has_grad_hooks(self.sources)
+        ):  # NOTE [ no_sync ]
             return Replicas(self._refresh_no_sync(), self)
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
@@ -369,12 +401,14 @@ class ReplicaSet(LeafAccumulation):
             self.reseal = False
             rows = self.leaves if self.leaf_mode else self.tensors
             # row 0 on the originals: those are checked by the wrapper's signature
-            self.held = [t for row in rows[1 if self.row0_originals else 0:] for t in row] + [
-                t for row in self.buffer_copies for t in row]
+            self.held = [t for row in rows[1 if self.row0_originals else 0 :] for t in row] + [
+                t for row in self.buffer_copies for t in row
+            ]
             self.held_ptrs = list(map(torch.Tensor.data_ptr, self.held))
             frozen = [k for k, s in enumerate(self.sources) if not s.requires_grad]
-            self.shared_frozen = [rows[j][k] for j in range(1, len(rows))
-                                  if j not in self.copy_rows for k in frozen]
+            self.shared_frozen = [
+                rows[j][k] for j in range(1, len(rows)) if j not in self.copy_rows for k in frozen
+            ]
             self.shared_versions = list(map(_VERSION, self.shared_frozen))
 
     def after_launch(self) -> None:

@@ -12,8 +12,11 @@ from fastdp.testing import BACKENDS, set_backend
 # thread state, errors) use the ``launch`` fixture: each of their tests runs once per strategy,
 # forced through FASTDP_LAUNCH (read when a wrapper is made). With FASTDP_LAUNCH set in the
 # environment only that strategy runs, and every other test sees it too (one CI job per strategy).
-LAUNCHES = ([os.environ["FASTDP_LAUNCH"]] if os.environ.get("FASTDP_LAUNCH")
-            else ["threads", "inline", "auto"])
+LAUNCHES = (
+    [os.environ["FASTDP_LAUNCH"]]
+    if os.environ.get("FASTDP_LAUNCH")
+    else ["threads", "inline", "auto"]
+)
 
 
 @pytest.fixture(params=LAUNCHES)
@@ -42,8 +45,11 @@ def backend(request):
 # The upstream ports' replica sets: two CPU replicas always, two sharing cuda:0 with a GPU.
 UPSTREAM_REPLICAS = [
     pytest.param(["cpu", "cpu"], id="cpu2"),
-    pytest.param([0, 0], id="cuda00", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    pytest.param(
+        [0, 0],
+        id="cuda00",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ),
 ]
 
 
@@ -57,9 +63,11 @@ def pytest_report_header(config):
     from fastdp._info import info
 
     d = info()
-    return (f"fastdp {d['version']}: torch {d['torch']}, extension loaded={d['extension_loaded']}, "
-            f"built_with_cuda={d['built_with_cuda']}, gpus={len(d['gpus'])}, "
-            f"FASTDP_DISABLE_EXT={os.environ.get('FASTDP_DISABLE_EXT', '0')}")
+    return (
+        f"fastdp {d['version']}: torch {d['torch']}, extension loaded={d['extension_loaded']}, "
+        f"built_with_cuda={d['built_with_cuda']}, gpus={len(d['gpus'])}, "
+        f"FASTDP_DISABLE_EXT={os.environ.get('FASTDP_DISABLE_EXT', '0')}"
+    )
 
 
 @pytest.fixture
