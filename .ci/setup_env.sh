@@ -1,5 +1,6 @@
 # Sourced by tests/run.sh and bench/run.sh: a virtualenv with torch and the test tools (HF
-# transformers and accelerate for tests/test_hf_trainer.py), then fastdp built into it.
+# transformers and accelerate for tests/test_hf_trainer.py, matplotlib for the plot tests),
+# then fastdp built into it.
 #   FASTDP_VENV   virtualenv path (default .venv); reuses system site-packages (a preinstalled torch)
 #   FASTDP_TORCH  torch version (default: what is installed, else 2.11.0 with a GPU, 2.13.0 without)
 #   FASTDP_CLEAN  1: remove earlier build outputs first (CI switches torch builds in one tree)
@@ -17,7 +18,7 @@ if [ -z "${FASTDP_TORCH:-}" ]; then
   elif nvidia-smi -L >/dev/null 2>&1; then FASTDP_TORCH=2.11.0
   else FASTDP_TORCH=2.13.0; fi
 fi
-pkgs=(pytest hypothesis ninja numpy setuptools wheel transformers accelerate ${FASTDP_EXTRA_PKGS:-})
+pkgs=(pytest hypothesis ninja numpy setuptools wheel transformers accelerate matplotlib ${FASTDP_EXTRA_PKGS:-})
 if [ "$have_torch" != "$FASTDP_TORCH" ]; then pkgs+=("torch==$FASTDP_TORCH"); fi
 missing=()
 for p in "${pkgs[@]}"; do
