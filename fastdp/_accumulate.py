@@ -67,7 +67,8 @@ def fold(
         ]
         if not hit:
             continue
-        for s in sources:
+        for k in set(range(len(sources))) - set(hit):
+            s = sources[k]
             if s.grad is None and s.requires_grad:
                 s.grad = torch.zeros_like(s)
         with torch.no_grad():
