@@ -1,0 +1,21 @@
+"""x floor of fastdp (auto, extension) and fastdp_noext per workload, per run, from results.json."""
+import glob
+import json
+import statistics
+
+runs = sorted(glob.glob("*-[12]/results.json"), key=lambda p: (p.split("-")[-1], p))
+rows = {}
+for path in runs:
+    recs = json.load(open(path))["records"]
+    floor = {r["workload"]: r["time_ms"]["median_ms"] for r in recs if r["mode"] == "floor"}
+    for r in recs:
+        if r["mode"] in ("fastdp", "fastdp_noext") and r["workload"] in floor:
+            ratio = r["time_ms"]["median_ms"] / floor[r["workload"]]
+            rows.setdefault((r["workload"], r["mode"]), {})[path.split("/")[0]] = ratio
+names = [p.split("/")[0] for p in runs]
+print("| workload | mode | " + " | ".join(names) + " | base mean | new mean |")
+print("|---|---|" + "---:|" * (len(names) + 2))
+for (w, m), v in rows.items():
+    base = statistics.mean(x for k, x in v.items() if k.startswith("base"))
+    new = statistics.mean(x for k, x in v.items() if k.startswith("new"))
+    print(f"| {w} | {m} | " + " | ".join(f"{v[n]:.3f}" for n in names) + f" | {base:.3f} | {new:.3f} |")
