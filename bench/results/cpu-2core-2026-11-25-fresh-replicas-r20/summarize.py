@@ -1,4 +1,5 @@
 """x floor of fastdp (auto, extension) and fastdp_noext per workload, per run, from results.json."""
+
 import glob
 import json
 import statistics
@@ -18,4 +19,5 @@ print("|---|---|" + "---:|" * (len(names) + 2))
 for (w, m), v in rows.items():
     base = statistics.mean(x for k, x in v.items() if k.startswith("base"))
     new = statistics.mean(x for k, x in v.items() if k.startswith("new"))
-    print(f"| {w} | {m} | " + " | ".join(f"{v[n]:.3f}" for n in names) + f" | {base:.3f} | {new:.3f} |")
+    cells = " | ".join(f"{v[n]:.3f}" for n in names)
+    print(f"| {w} | {m} | {cells} | {base:.3f} | {new:.3f} |")
