@@ -13,7 +13,6 @@ Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled repli
 
 from __future__ import annotations
 
-import operator
 import warnings
 import weakref
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 from torch.nn import Module
 
 from fastdp import _backend, engine
-from fastdp._accumulate import LeafAccumulation, has_grad_hooks, make_leaves
+from fastdp._accumulate import _HOOKS, _VERSION, LeafAccumulation, has_grad_hooks, make_leaves
 from fastdp._compiled import compile_root, is_compiled, mark_static
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
@@ -35,8 +34,6 @@ from fastdp.replicate import check_replicatable, clone_tree, finish_tree
 # they stop seeing the refreshes. A slot assignment points both at the replica's tensors, so
 # forward never rebuilds them; after a restore of the replicas' dicts they are pointed again.
 _RNN_CACHE = ("_flat_weights", "_flat_weight_refs")
-_HOOKS = operator.attrgetter("_backward_hooks")
-_VERSION = operator.attrgetter("_version")
 _SHARED_WRITE = (
     "fastdp: a forward wrote in place to a frozen parameter that replicas on the same device share "
     "with the original (CPU replicas, repeated GPU ids): the write landed once per replica, where "
