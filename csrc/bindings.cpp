@@ -77,9 +77,9 @@ PYBIND11_MODULE(_C, m) {
         auto ob = std::make_shared<PyFn>(std::move(on_backward));
         auto rr = std::make_shared<PyFn>(std::move(reduce_rows));
         auto hooks = std::make_shared<fastdp::BucketHooks>();
-        hooks->on_backward = [ob](bool local) {
+        hooks->on_backward = [ob](bool local, int64_t fresh) {
           py::gil_scoped_acquire gil;
-          ob->fn(local);
+          ob->fn(local, fresh);
         };
         hooks->reduce_rows = [rr](const std::vector<std::vector<at::Tensor>>& rows) {
           py::gil_scoped_acquire gil;
@@ -90,9 +90,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("sources"), py::arg("replicas"), py::arg("dest"), py::arg("on_backward"),
       py::arg("reduce_rows"),
       "One bucket's reduce node (NOTE [ Early reduction ] in fastdp/reducer.py): the replica "
-      "tensors (row-major) become its outputs; backward calls on_backward(local) once, sums "
-      "same-device rows itself (one multi-tensor add per replica) or calls reduce_rows(rows), "
-      "and hands the sums to the sources' gradient edges. Returns the replica tensors.");
+      "tensors (row-major) become its outputs; backward calls on_backward(local, fresh) once, "
+      "sums same-device rows itself (one multi-tensor add per replica; `fresh` of them into new "
+      "tensors) or calls reduce_rows(rows), and hands the sums to the sources' gradient edges. "
+      "Returns the replica tensors.");
 
   m.def("graph_task_mode", &fastdp::graph_task_mode,
         "0: no backward runs on this thread; 1: a backward without inputs= (every leaf "

@@ -1,5 +1,7 @@
 #include "bucket_reduce.h"
 
+#include <algorithm>
+
 #include <ATen/CachedTensorUtils.h>
 #include <ATen/Dispatch.h>
 #include <ATen/TensorSubclassLikeUtils.h>
@@ -46,25 +48,30 @@ struct Args {  // what forward needs once; nothing of it is kept
   std::shared_ptr<BucketState> state;
 };
 
-// Whether every gradient of `row` can be summed into in place, by autograd's own rule for
-// accumulating into a buffered gradient (InputBuffer's can_accumulate_inplace): a plain strided
-// tensor (no subclass, zero-tensor, nested, conj or neg bit), dense, this node holds the only
-// reference AND its storage has no other user (a view, e.g. of a gradient that another node
-// still reads, shares it), and no graph is being built (create_graph).
+// NOTE [ Summing in place ]
+// A gradient is summed into in place by autograd's own rule for a buffered gradient (InputBuffer's
+// can_accumulate_inplace): a plain strided tensor (no subclass, zero-tensor, nested, conj or neg
+// bit), dense, this node holds the only reference AND its storage has no other user, and no graph
+// is being built (create_graph). One widening, as safe: the storage's other user may be the
+// gradient's own view base when nothing else holds that base. Backward formulas return such views
+// of their fresh results (Linear's weight: mm(...).t(); a bias: sum(...).view(...)); refusing
+// them sent every Linear bucket to the out-of-place sum (mlp100, 4 replicas: +1 ms a step). A
+// view of a gradient another node still reads (finding: `p.view(...)` beside `lin`) has a base
+// with other references and is summed out of place, per gradient.
+bool only_own_base_shares(const at::Tensor& g) {
+  if (g.storage().use_count() != 2 || !g.is_view()) return false;
+  const at::TensorBase& base = g._base();
+  return base.use_count() == 1 && base.has_storage() &&
+         base.storage().unsafeGetStorageImpl() == g.storage().unsafeGetStorageImpl() &&
+         !at::caching::is_cached_tensor(at::Tensor(base));  // after use_count: this adds one
+}
+
 bool can_sum_into(const at::Tensor& g) {
   return g.layout() == at::kStrided && !at::isTensorSubclassLike(g) && !g._is_zerotensor() &&
          !g.is_nested() && !g.is_conj() && !g.is_neg() && !g.requires_grad() &&
          g.is_non_overlapping_and_dense() &&
          torch::autograd::impl::is_tensor_stealable(g, 1 + at::caching::is_cached_tensor(g)) &&
-         g.has_storage() && g.storage().use_count() == 1;
-}
-
-bool sole_owner(const variable_list& row) {
-  if (at::GradMode::is_enabled()) return false;
-  for (const at::Tensor& g : row) {
-    if (!can_sum_into(g)) return false;
-  }
-  return true;
+         g.has_storage() && (g.storage().use_count() == 1 || only_own_base_shares(g));
 }
 
 // Whether `g` can be summed into `sum` by a plain loop over their memory: the same floating
@@ -80,19 +87,29 @@ bool plain_loop_ok(const at::Tensor& sum, const at::Tensor& g) {
   return a + bytes <= b || b + bytes <= a;
 }
 
-// sums[i] += rows[j][i] for j >= 1, in that order per element. On a GPU one multi-tensor kernel
-// per row. On the CPU each tensor gets every row before the next (it stays in cache), by a plain
-// loop for float and double, add_ otherwise: add_'s dispatch was most of a bucket of small
-// tensors (mlp1000, 4 replicas: 6000 sums, 5.7 -> 2.5 ms a step; mlp100: 0.23 -> 0.05 ms).
-void add_rows_into(variable_list& sums, const std::vector<variable_list>& rows) {
-  if (sums.empty() || !sums[0].is_cpu()) {
-    for (size_t j = 1; j < rows.size(); ++j) at::_foreach_add_(sums, rows[j]);
+// sums[i] += rows[j][i] for j >= first[i] (1 or 2), in that order per element. On a GPU one
+// multi-tensor kernel per row. On the CPU each tensor gets every row before the next (it stays in
+// cache), by a plain loop for float and double, add_ otherwise: add_'s dispatch was most of a
+// bucket of small tensors (mlp1000, 4 replicas: 6000 sums, 5.7 -> 2.5 ms a step; mlp100: 0.23 ->
+// 0.05 ms).
+void add_rows_into(variable_list& sums, const std::vector<variable_list>& rows,
+                   const std::vector<uint8_t>& first) {
+  if (!sums[0].is_cpu()) {
+    for (size_t j = 1; j < rows.size(); ++j) {
+      variable_list into, from;
+      for (size_t i = 0; i < sums.size(); ++i) {
+        if (j < first[i]) continue;
+        into.push_back(sums[i]);
+        from.push_back(rows[j][i]);
+      }
+      if (!into.empty()) at::_foreach_add_(into, from);
+    }
     return;
   }
   for (size_t i = 0; i < sums.size(); ++i) {
     at::Tensor& sum = sums[i];
     const bool floating = sum.scalar_type() == at::kFloat || sum.scalar_type() == at::kDouble;
-    for (size_t j = 1; j < rows.size(); ++j) {
+    for (size_t j = first[i]; j < rows.size(); ++j) {
       const at::Tensor& g = rows[j][i];
       if (!floating || !plain_loop_ok(sum, g)) {
         sum.add_(g);
@@ -106,6 +123,35 @@ void add_rows_into(variable_list& sums, const std::vector<variable_list>& rows) 
       });
     }
   }
+}
+
+// Per gradient of row 0: 1 where the sum goes into it (NOTE [ Summing in place ]), 2 where it
+// goes into a fresh g0 + g1 (always under create_graph, where the sum must be differentiable).
+std::vector<uint8_t> first_rows(const variable_list& row0) {
+  const bool graph = at::GradMode::is_enabled();
+  std::vector<uint8_t> first(row0.size());
+  for (size_t i = 0; i < row0.size(); ++i) first[i] = !graph && can_sum_into(row0[i]) ? 1 : 2;
+  return first;
+}
+
+// Each source's gradient summed over the rows (two or more, all on the destination, strided), in
+// row order per element, as `first` says (first_rows).
+variable_list sum_rows(std::vector<variable_list>& rows, const std::vector<uint8_t>& first) {
+  variable_list sums = std::move(rows[0]);
+  variable_list shared, second;
+  for (size_t i = 0; i < sums.size(); ++i) {
+    if (first[i] == 1) continue;
+    shared.push_back(sums[i]);
+    second.push_back(rows[1][i]);
+  }
+  if (!shared.empty()) {
+    variable_list fresh = at::_foreach_add(shared, second);  // never aliases an incoming gradient
+    for (size_t i = 0, k = 0; i < sums.size(); ++i) {
+      if (first[i] == 2) sums[i] = std::move(fresh[k++]);
+    }
+  }
+  add_rows_into(sums, rows, first);
+  return sums;
 }
 
 struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
@@ -141,18 +187,16 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
     }
     // One row: reduce_rows copies it, as the Python node does; a sparse gradient: reduce_rows
     // sums it as DataParallel does (NOTE [ Sparse gradients ] in fastdp/reducer.py).
-    local = local && r > 1;
-    state->hooks->on_backward(local);
+    local = local && r > 1 && !needed.empty();
+    std::vector<uint8_t> first;
+    if (local) first = first_rows(rows[0]);
+    state->hooks->on_backward(local, std::count(first.begin(), first.end(), 2));
     variable_list sums;
     if (needed.empty()) {
     } else if (!local) {
       sums = state->hooks->reduce_rows(rows);
-    } else if (sole_owner(rows[0])) {  // sum into row 0's gradients: nothing else sees them
-      sums = std::move(rows[0]);
-      add_rows_into(sums, rows);
     } else {
-      sums = at::_foreach_add(rows[0], rows[1]);  // never aliases an incoming gradient
-      for (int64_t j = 2; j < r; ++j) at::_foreach_add_(sums, rows[j]);
+      sums = sum_rows(rows, first);
     }
     variable_list out(n + 1);  // [args (no gradient), sources...]
     for (size_t i = 0; i < needed.size(); ++i) out[needed[i] + 1] = sums[i];

@@ -12,8 +12,9 @@ namespace fastdp {
 
 struct BucketHooks {
   // Called once per backward of the bucket, first; `local`: two or more rows, every gradient
-  // on the destination (the sum is done here), else `reduce_rows` sums them (a transport).
-  std::function<void(bool local)> on_backward;
+  // on the destination (the sum is done here), else `reduce_rows` sums them (a transport);
+  // `fresh`: how many of the local sums go into new tensors (NOTE [ Summing in place ]).
+  std::function<void(bool local, int64_t fresh)> on_backward;
   std::function<std::vector<at::Tensor>(const std::vector<std::vector<at::Tensor>>&)> reduce_rows;
 };
 

@@ -316,7 +316,10 @@ class FastDataParallel(DataParallel):
         """This step's replication traffic: ``buckets`` (the replica set's buckets, parameters
         and buffers), ``broadcasts`` and ``reduces`` (one per bucket, whatever the number of
         devices; without the extension one reduce node serves all buckets),
-        ``bytes_broadcast``, ``bytes_reduced``. Zeroed when a forward starts, updated as each
+        ``bytes_broadcast``, ``bytes_reduced``; ``sums_out_of_place``: gradients the
+        extension's bucket nodes summed into new tensors because autograd's in-place rule
+        refused their memory (a view of a gradient another node still reads; every one under
+        ``create_graph``), each one allocation more. Zeroed when a forward starts, updated as each
         call is issued (a backward hook sees the reduces so far). Persistent replicas
         only (``persistent=False`` replicates with ``fastdp.comm`` and counts nothing)."""
         return dict(self._comm)

@@ -44,7 +44,14 @@ __all__ = [
 
 DEFAULT_CAP_MB = 25.0
 FIRST_BUCKET_BYTES = 1024 * 1024
-STAT_KEYS = ("buckets", "broadcasts", "reduces", "bytes_broadcast", "bytes_reduced")
+STAT_KEYS = (
+    "buckets",
+    "broadcasts",
+    "reduces",
+    "bytes_broadcast",
+    "bytes_reduced",
+    "sums_out_of_place",
+)
 
 
 def cpu_distinct() -> bool:

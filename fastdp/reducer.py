@@ -227,12 +227,15 @@ class BucketLink:
         self.index, self.n, self.nbytes = index, len(sources), _bytes(sources)
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
 
-    def ran(self, local: bool) -> None:
-        """The node's backward starts (the C++ node sums ``local`` rows itself)."""
+    def ran(self, local: bool, fresh: int) -> None:
+        """The node's backward starts (the C++ node sums ``local`` rows itself, ``fresh`` of
+        them into new tensors: NOTE [ Summing in place ] in csrc/bucket_reduce.cpp)."""
         self.pending.value = False
         self.group.bucket_ran(self.index)
         if local:
             count(self.stats, "reduce", self.nbytes)
+            if self.stats is not None:
+                self.stats["sums_out_of_place"] += fresh
 
     def reduce_rows(self, rows: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         return reduce_add(rows, self.dest, stats=self.stats, nbytes=self.nbytes)

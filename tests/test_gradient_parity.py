@@ -100,12 +100,42 @@ def test_view_of_a_parameter_alone_in_a_bucket_leaves_other_gradients_unsummed()
     _assert_same(_chunked_grads(model, [x], 4), want)
 
 
-def test_bias_through_a_view_with_one_row_chunks_gets_dataparallels_gradients():
+@pytest.mark.parametrize("cap_mb", [1e-6, 25.0], ids=["bucket_per_tensor", "one_bucket"])
+def test_bias_through_a_view_with_one_row_chunks_gets_dataparallels_gradients(cap_mb):
     torch.manual_seed(0)
     model, x = ViewResidual(), torch.randn(2, 16)
     want = _wrapped_grads(model, [x], 2, persistent=False)
-    _assert_same(_wrapped_grads(model, [x], 2, bucket_cap_mb=1e-6), want)
+    _assert_same(_wrapped_grads(model, [x], 2, bucket_cap_mb=cap_mb), want)
     _assert_same(_chunked_grads(model, [x], 2), want)
+
+
+def _sums_out_of_place(model, inputs, n, **kw):
+    """``comm_stats()["sums_out_of_place"]`` of a second step (the persistent nodes), and the
+    gradients, which must be DataParallel's either way."""
+    dp = FastDataParallel(model, device_ids=["cpu"] * n, **kw)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        _square_sum(dp(*inputs)).backward()
+    _assert_same(_grads(model), _wrapped_grads(model, inputs, n, persistent=False))
+    return dp.comm_stats()["sums_out_of_place"]
+
+
+@pytest.mark.parametrize(
+    "cap_mb, shared", [(1e-6, 1), (25.0, 0)], ids=["bucket_per_tensor", "one_bucket"]
+)
+def test_gradients_nothing_else_reads_are_summed_in_place(backend, cap_mb, shared):
+    """NOTE [ Summing in place ] in csrc/bucket_reduce.cpp: a Linear's weight and bias gradients
+    are views of their backward's fresh results, read by no one else: the bucket node sums into
+    them (an out-of-place sum per gradient costs an allocation and a dispatch). ``p``'s gradient
+    views one that ``lin``'s backward still reads when ``p`` has a bucket of its own (out of
+    place, that gradient only); in one bucket with ``lin``, the node runs after that read."""
+    if backend == "torch":
+        pytest.skip("the count is the C++ bucket node's")
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+    assert _sums_out_of_place(mlp, [torch.randn(8, 8)], 4, bucket_cap_mb=cap_mb) == 0
+    view = ViewResidual()
+    assert _sums_out_of_place(view, [torch.randn(2, 16)], 2, bucket_cap_mb=cap_mb) == shared
 
 
 def test_autograd_grad_through_a_view_with_one_row_chunks_gets_dataparallels_gradients():
