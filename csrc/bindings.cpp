@@ -9,6 +9,7 @@
 #include "dict_snapshot.h"
 #include "gather.h"
 #include "graph_task.h"
+#include "held_tensors.h"
 #include "scatter.h"
 #include "signature.h"
 #include "transfer.h"
@@ -59,6 +60,11 @@ PYBIND11_MODULE(_C, m) {
       .def("changed", &fastdp::DictSnapshot::changed,
            "Indices of the dicts whose keys or values are no longer the same objects, in order.")
       .def("__len__", &fastdp::DictSnapshot::size);
+
+  m.def("held_data_ptrs", &fastdp::held_data_ptrs, py::arg("tensors"),
+        "Where each tensor's data starts, packed (NOTE [ Tensors a forward changed ]).");
+  m.def("held_changed", &fastdp::held_changed, py::arg("tensors"), py::arg("ptrs"),
+        "Whether a tensor's data moved from held_data_ptrs(tensors) or one has a backward hook.");
 
   m.def(
       "tensor_signature",

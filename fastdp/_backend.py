@@ -22,6 +22,8 @@ REQUIRED = (
     "tensor_signature",
     "DictSnapshot",
     "grad_fn_use_count",
+    "held_data_ptrs",
+    "held_changed",
     "bucket_reduce_link",
     "peer_access",
     "build_info",

@@ -126,7 +126,8 @@ class ReplicaSet(LeafAccumulation):
         self.leaf_mode = False
         self.marks: tuple = ()
         self.held: list[torch.Tensor] = []  # what the replicas held when last sealed
-        self.held_ptrs: list[int] = []
+        self.held_ptrs: list[int] | bytes = []  # bytes: packed by the extension
+        self.held_check: Any = None  # the extension's held_changed, where it sealed
         self.reseal = True  # what the replicas hold changed since: see seal()
         self.shared_frozen: list[torch.Tensor] = []  # see _warn_shared_writes()
         self.shared_versions: list[int] = []
@@ -401,7 +402,13 @@ class ReplicaSet(LeafAccumulation):
             self.held = [t for row in rows[1 if self.row0_originals else 0 :] for t in row] + [
                 t for row in self.buffer_copies for t in row
             ]
-            self.held_ptrs = list(map(torch.Tensor.data_ptr, self.held))
+            ext = _backend.ext()
+            self.held_check = None if ext is None else ext.held_changed
+            self.held_ptrs = (
+                list(map(torch.Tensor.data_ptr, self.held))
+                if ext is None
+                else ext.held_data_ptrs(self.held)
+            )
             frozen = [k for k, s in enumerate(self.sources) if not s.requires_grad]
             self.shared_frozen = [
                 rows[j][k] for j in range(1, len(rows)) if j not in self.copy_rows for k in frozen
@@ -427,9 +434,12 @@ class ReplicaSet(LeafAccumulation):
         DataParallel's replica tensors are new every step; persistent ones are not, so what a
         forward does to one would outlive the step: ``.data =`` (the replica would keep that
         storage and never see a refresh again) or a hook (it would run once more every step).
-        Each step checks every tensor the replicas hold (one C-level pass for storage, one for
-        hooks); a changed set gets fresh tensors (and nodes), as DataParallel's would be."""
+        Each step checks every tensor the replicas hold (one pass in C++; without the extension
+        one C-level pass for storage, one for hooks); a changed set gets fresh tensors (and
+        nodes), as DataParallel's would be."""
         held = self.held
+        if self.held_check is not None:  # sealed with the extension: held_data_ptrs
+            return self.held_check(held, self.held_ptrs)
         return list(map(torch.Tensor.data_ptr, held)) != self.held_ptrs or any(map(_HOOKS, held))
 
     def _renew_all(self) -> None:

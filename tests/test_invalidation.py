@@ -184,3 +184,28 @@ def test_nn_module_is_left_as_torch_made_it():
         [sys.executable, "-c", _UNTOUCHED], capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _backend.loaded(), reason="needs the built extension fastdp._C")
+def test_held_tensor_check_sees_what_the_python_check_sees():
+    """``held_changed`` (NOTE [ Tensors a forward changed ]): a moved storage or a live hook is
+    a change; a removed hook, an in-place write and another list object with the same tensors
+    are not."""
+    ext = _backend._ext
+    held = [torch.randn(3, requires_grad=True) * 1, torch.randn(5)[2:]]
+    ptrs = ext.held_data_ptrs(held)
+    assert [int.from_bytes(ptrs[i : i + 8], sys.byteorder) for i in (0, 8)] == [
+        t.data_ptr() for t in held
+    ]
+    assert not ext.held_changed(list(held), ptrs)
+    held[1].add_(1)
+    assert not ext.held_changed(held, ptrs)
+    handle = held[0].register_hook(lambda g: g)
+    assert ext.held_changed(held, ptrs)
+    handle.remove()
+    assert not ext.held_changed(held, ptrs)
+    held[1].data = torch.randn(3)
+    assert ext.held_changed(held, ptrs)
+    assert ext.held_changed(held[:1], ptrs)
+    with pytest.raises(TypeError, match="not a tensor"):
+        ext.held_changed([held[0], 1], ptrs)
