@@ -10,6 +10,7 @@ ids, -1 for the CPU), strings or ``torch.device``. Outputs carry no autograd his
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -21,9 +22,40 @@ from fastdp import _backend, engine
 from fastdp._devices import as_device
 from fastdp.reducer import reduce_add
 
-__all__ = ["broadcast_coalesced", "reduce_add_coalesced", "scatter", "gather", "scatter_leaves"]
+__all__ = [
+    "broadcast_coalesced",
+    "comm_stats",
+    "reduce_add_coalesced",
+    "scatter",
+    "gather",
+    "scatter_leaves",
+]
 
 _DEFAULT_BUFFER = 10485760
+
+_STATS_LOCK = threading.Lock()
+_STATS = {"scatter_ext_calls": 0, "gather_ext_calls": 0, "broadcast_layouts_built": 0}
+
+
+def _count(key: str) -> None:
+    with _STATS_LOCK:
+        _STATS[key] += 1
+
+
+def comm_stats() -> dict[str, int]:
+    """Process-wide counters of this module's work since import (never reset; compare two reads).
+
+    ``scatter_ext_calls``: calls of the extension's fused scatter; ``gather_ext_calls``: of its
+    gather; ``broadcast_layouts_built``: bucket layouts ``broadcast_coalesced`` planned (one per
+    new tensor set); ``pinned_pool_allocations``: pinned blocks the extension's pool allocated
+    (0 without a CUDA build).
+    """
+    with _STATS_LOCK:
+        out = dict(_STATS)
+    ext = _backend.ext()
+    pool = dict(ext.pinned_pool_stats()) if ext is not None else {}
+    out["pinned_pool_allocations"] = int(pool.get("allocations", 0))
+    return out
 
 
 @functools.cache
@@ -102,6 +134,25 @@ def reduce_add_coalesced(
         return reduce_add(inputs, dest, buffer_size)
 
 
+# NOTE [ Same-device chunks ]
+# A chunk bound for the device its source is on is a view of the source, as in torch's
+# comm.scatter (whose .to() returns the chunk itself). When every chunk of a ``scatter`` without
+# chunk_sizes stays, it returns ``tensor.chunk``'s views before any planning or extension call
+# (``torch.chunk`` gives ``plan_chunks``'s sizes): no byte moves, the cost is torch's own. Other
+# same-device chunks are views too, made by the extension's one call for all leaves.
+
+
+def _all_on(dev: torch.device, devices: Sequence[Any]) -> bool:
+    """Whether every entry of ``devices`` (ints, strings or torch.device) names ``dev``."""
+    cuda_id = dev.index if dev.type == "cuda" else -1
+    for d in devices:
+        if d == dev or (type(d) is int and d == cuda_id):
+            continue
+        if type(d) is int or as_device(d) != dev:
+            return False
+    return True
+
+
 def scatter(
     tensor: torch.Tensor,
     devices: Sequence[Any] | None = None,
@@ -118,6 +169,8 @@ def scatter(
     """
     if out is not None:
         return _tcomm.scatter(tensor, devices, chunk_sizes, dim, streams, out=out)
+    if chunk_sizes is None and devices and _all_on(tensor.device, devices):
+        return tensor.chunk(len(devices), dim)  # views, as torch's (NOTE [ Same-device chunks ])
     devs = [as_device(d) for d in (devices or ())]
     if not devs:
         raise RuntimeError("Expected at least one device to scatter to")
@@ -132,10 +185,8 @@ def scatter(
         sizes = plan_chunks([tensor.size(dim)], len(devs))[0]
     else:
         sizes = plan_chunks([tensor.size(dim)], len(devs), list(chunk_sizes))[0]
-    return tuple(
-        scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])[r][0]
-        for r in range(len(sizes))
-    )
+    rows = scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])
+    return tuple(row[0] for row in rows[: len(sizes)])
 
 
 def scatter_leaves(
@@ -152,6 +203,7 @@ def scatter_leaves(
     devices = [d if isinstance(d, torch.device) else as_device(d) for d in devices]
     ext = _copy_ext(leaves, devices)
     if ext is not None:
+        _count("scatter_ext_calls")
         out = [
             list(r)
             for r in ext.scatter_chunks(
@@ -190,6 +242,7 @@ def gather(
         dest = as_device(destination)
     ext = _copy_ext(tensors, [dest], one_dtype=True)
     if ext is not None:
+        _count("gather_ext_calls")
         return ext.gather_into(list(tensors), dim, dest)
     return torch.cat([t.to(dest, non_blocking=dest.type == "cuda") for t in tensors], dim)
 
