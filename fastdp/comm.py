@@ -9,6 +9,7 @@ ids, -1 for the CPU), strings or ``torch.device``. Outputs carry no autograd his
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from collections.abc import Sequence
@@ -104,9 +105,47 @@ def broadcast_coalesced(
                 f"fastdp.comm.broadcast_coalesced: every tensor must be on devices[0] "
                 f"({devs[0]}), but one is on {t.device}"
             )
-    layout = engine.Layout(tensors, devs, range(1, len(devs)), buffer_size)
+    layout = _broadcast_plan(tensors, devs, buffer_size).with_storage(tensors)
     layout.refresh(tensors, None)
     return [tensors] + [list(layout.rows[j]) for j in range(1, len(devs))]
+
+
+# NOTE [ Broadcast plans ]
+# broadcast_coalesced plans its buckets (engine.Layout without storage: bucket assignment,
+# geometry, the extension's per-bucket view makers) once per tensor set and reuses the plan; every
+# call still allocates its own flats and copies the current values, so results of two calls never
+# alias. The key is the tensors' signature (identity, storage, shape, strides, dtype, device:
+# ``_C.tensor_signature``, or those fields themselves without the extension) with the devices and
+# the bucket size. The cache holds no tensor, so it keeps none alive; it is bounded (LRU).
+_PLANS: collections.OrderedDict[Any, engine.Layout] = collections.OrderedDict()
+_PLANS_MAX = 16
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    return t.stride() if t.layout == torch.strided else None
+
+
+def _broadcast_plan(
+    tensors: list[torch.Tensor], devs: list[torch.device], buffer_size: int
+) -> engine.Layout:
+    ext = _backend.ext()
+    if ext is not None:
+        sig: Any = ext.tensor_signature(tensors)
+    else:
+        sig = tuple((id(t), t.shape, _strides(t), t.dtype, t.device) for t in tensors)
+    key = (sig, tuple(devs), buffer_size)
+    with _STATS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = engine.Layout(tensors, devs, range(1, len(devs)), buffer_size, allocate=False)
+    with _STATS_LOCK:
+        _STATS["broadcast_layouts_built"] += 1
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    return plan
 
 
 def reduce_add_coalesced(
