@@ -184,8 +184,9 @@ def reduce_add_coalesced(
 def _all_on(dev: torch.device, devices: Sequence[Any]) -> bool:
     """Whether every entry of ``devices`` (ints, strings or torch.device) names ``dev``."""
     cuda_id = dev.index if dev.type == "cuda" else -1
+    name = str(dev)
     for d in devices:
-        if d == dev or (type(d) is int and d == cuda_id):
+        if (type(d) is int and d == cuda_id) or (type(d) is str and d == name) or d == dev:
             continue
         if type(d) is int or as_device(d) != dev:
             return False
