@@ -3,7 +3,15 @@
 #include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
 
 #include <ATen/Parallel.h>
+// The host allocator's header trips GCC's -Winterference-size as CUDAEvent.h does (cuda_event.h).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winterference-size"
 #include <ATen/core/CachingHostAllocator.h>
+#pragma GCC diagnostic pop
+#else
+#include <ATen/core/CachingHostAllocator.h>
+#endif
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -146,7 +154,8 @@ void scatter_pinned(std::vector<Copy*>& copies, c10::DeviceIndex device,
     out = view_into(buf, c->offset, c->chunk.scalar_type(), c->chunk.sizes(), c->strides);
     if (c->nbytes == 0) continue;
     char* dst = static_cast<char*>(buf.data_ptr()) + c->offset;
-    const int64_t d = c->chunk.is_non_overlapping_and_dense() ? -2 : row_dim(*c);
+    const bool lazy = c->chunk.is_conj() || c->chunk.is_neg();  // copy_ materialises those bits
+    const int64_t d = lazy ? -1 : c->chunk.is_non_overlapping_and_dense() ? -2 : row_dim(*c);
     const int64_t item = c->chunk.element_size();
     if (d == -2) {
       C10_CUDA_CHECK(cudaMemcpyAsync(dst, c->chunk.const_data_ptr(), c->nbytes,
