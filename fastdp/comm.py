@@ -25,7 +25,7 @@ from fastdp.reducer import reduce_add
 
 __all__ = [
     "broadcast_coalesced",
-    "comm_stats",
+    "copy_stats",
     "reduce_add_coalesced",
     "scatter",
     "gather",
@@ -43,8 +43,9 @@ def _count(key: str) -> None:
         _STATS[key] += 1
 
 
-def comm_stats() -> dict[str, int]:
-    """Process-wide counters of this module's work since import (never reset; compare two reads).
+def copy_stats() -> dict[str, int]:
+    """Process-wide counters of this module's copies since import (never reset; compare two
+    reads). Not the wrapper's per-step ``FastDataParallel.comm_stats()``.
 
     ``scatter_ext_calls``: calls of the extension's fused scatter; ``gather_ext_calls``: of its
     gather; ``broadcast_layouts_built``: bucket layouts ``broadcast_coalesced`` planned (one per

@@ -1,7 +1,7 @@
 """fastdp.comm.broadcast_coalesced plans a tensor set once (NOTE [ Broadcast plans ]) and still
 returns fresh tensors with the current values on every call.
 
-Counted through ``fastdp.comm.comm_stats()["broadcast_layouts_built"]``; every test runs with the
+Counted through ``fastdp.comm.copy_stats()["broadcast_layouts_built"]``; every test runs with the
 extension and on the pure-torch path (``backend``).
 """
 
@@ -20,7 +20,7 @@ DEVICES = ["cpu"] * 3
 
 
 def built() -> int:
-    return comm.comm_stats()["broadcast_layouts_built"]
+    return comm.copy_stats()["broadcast_layouts_built"]
 
 
 def tensor_set() -> list[torch.Tensor]:

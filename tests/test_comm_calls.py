@@ -1,6 +1,6 @@
 """fastdp.comm.scatter: one extension call per call, views where nothing moves.
 
-Counted through ``fastdp.comm.comm_stats()``. The CPU cases run everywhere; the CUDA ones skip
+Counted through ``fastdp.comm.copy_stats()``. The CPU cases run everywhere; the CUDA ones skip
 without a GPU and a CUDA build (``tests/gpu.sh check`` runs them).
 """
 
@@ -19,7 +19,7 @@ onlyCUDABuild = pytest.mark.skipif(
 
 
 def calls(key: str = "scatter_ext_calls") -> int:
-    return comm.comm_stats()[key]
+    return comm.copy_stats()[key]
 
 
 def shares_storage(part: torch.Tensor, src: torch.Tensor) -> bool:
@@ -38,8 +38,8 @@ def test_scatter_calls_the_extension_once_per_call(replicas: int) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_comm_stats_are_counters() -> None:
-    stats = comm.comm_stats()
+def test_copy_stats_are_counters() -> None:
+    stats = comm.copy_stats()
     assert set(stats) >= {
         "scatter_ext_calls",
         "gather_ext_calls",

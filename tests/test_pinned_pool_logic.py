@@ -114,7 +114,7 @@ def test_other_classes_are_freed_only_when_the_capacity_forces_it() -> None:
 def test_cpu_build_reports_no_pool_allocations() -> None:
     if _backend.build_info().get("built_with_cuda") == "1":
         pytest.skip("a CUDA build has a real pool")
-    assert comm.comm_stats()["pinned_pool_allocations"] == 0
+    assert comm.copy_stats()["pinned_pool_allocations"] == 0
 
 
 @onlyCUDA
@@ -125,11 +125,11 @@ def test_cuda_pool_allocations_are_constant_across_repeated_scatters() -> None:
     x = torch.randn(4096, 1024)  # 16 MiB pageable: several windows through the pool
     comm.scatter(x, [0, 0])
     torch.cuda.synchronize()
-    before = comm.comm_stats()["pinned_pool_allocations"]
+    before = comm.copy_stats()["pinned_pool_allocations"]
     for _ in range(5):
         parts = comm.scatter(x, [0, 0])
     torch.cuda.synchronize()
-    assert comm.comm_stats()["pinned_pool_allocations"] == before
+    assert comm.copy_stats()["pinned_pool_allocations"] == before
     torch.testing.assert_close(torch.cat([p.cpu() for p in parts]), x, rtol=0, atol=0)
 
 

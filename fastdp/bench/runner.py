@@ -105,7 +105,7 @@ def _pool_allocations() -> int:
     """Blocks the extension's pinned pool allocated so far (0 without a CUDA build)."""
     from fastdp import comm
 
-    return comm.comm_stats()["pinned_pool_allocations"]
+    return comm.copy_stats()["pinned_pool_allocations"]
 
 
 def time_into(s: Settings, fns: dict, recs: dict, sync: Callable[[], None] | None = None) -> None:
