@@ -6,10 +6,12 @@
 
 #include "bucket_reduce.h"
 #include "build_info.h"
+#include "copy_layout.h"
 #include "dict_snapshot.h"
 #include "gather.h"
 #include "graph_task.h"
 #include "held_tensors.h"
+#include "host_pool.h"
 #include "scatter.h"
 #include "signature.h"
 #include "transfer.h"
@@ -185,7 +187,39 @@ PYBIND11_MODULE(_C, m) {
   m.def("_staging_window", &fastdp::staging_window_for, py::arg("total"), py::arg("capacity"),
         "Diagnostics: the window of a host-staged copy of `total` bytes with a pinned pool of "
         "`capacity` bytes (0: the pool cannot stage it).");
+  m.def("_scatter_window", &fastdp::scatter_window_for, py::arg("total"), py::arg("capacity"),
+        "Diagnostics: the window of a pageable host-to-GPU scatter of `total` bytes.");
   m.def("_staged_copy_window", &fastdp::staged_copy_window, py::arg("total"), py::arg("capacity"),
         "Diagnostics: the window of a GPU-to-GPU copy staged through the host (no usable P2P).");
+  py::class_<fastdp::FlatViews>(
+      m, "FlatViews",
+      "Tensors over a flat buffer at fixed element offsets, sizes and strides, each with its own "
+      "version counter and no autograd history: built once per bucket plan, called per flat.")
+      .def(py::init<std::vector<int64_t>, std::vector<std::vector<int64_t>>,
+                    std::vector<std::vector<int64_t>>>(),
+           py::arg("offsets"), py::arg("sizes"), py::arg("strides"))
+      .def(
+          "__call__",
+          [](const fastdp::FlatViews& self, const at::Tensor& flat) {
+            py::gil_scoped_release no_gil;
+            return self(flat);
+          },
+          py::arg("flat"), "The tensors on `flat` (1-D, contiguous, of the plan's dtype).");
+  py::class_<fastdp::HostBlockPool>(
+      m, "_HostBlockPool",
+      "Tests only: the pinned pool's bookkeeping (size classes, free lists, capacity, waits) over "
+      "malloc'd host blocks, with events that are flags set by complete() or by a wait.")
+      .def(py::init<int64_t>(), py::arg("capacity"))
+      .def("acquire", &fastdp::HostBlockPool::acquire, py::arg("bytes"),
+           "A lent block's handle, 0 when the pool cannot serve the request.")
+      .def("size", &fastdp::HostBlockPool::size, py::arg("block"))
+      .def("record", &fastdp::HostBlockPool::record, py::arg("block"),
+           "A pending event on the lent block; returns its id.")
+      .def("complete", &fastdp::HostBlockPool::complete, py::arg("event"))
+      .def("completed", &fastdp::HostBlockPool::completed, py::arg("event"))
+      .def("release", &fastdp::HostBlockPool::release, py::arg("block"))
+      .def("stats", &fastdp::HostBlockPool::stats)
+      .def("set_capacity", &fastdp::HostBlockPool::set_capacity, py::arg("bytes"))
+      .def("empty_cache", &fastdp::HostBlockPool::empty_cache);
   // --- end scatter / gather ----------------------------------------------------------------------
 }

@@ -3,7 +3,9 @@
 #include <ATen/ExpandUtils.h>
 #include <c10/core/TensorImpl.h>
 
+#include <algorithm>
 #include <optional>
+#include <utility>
 
 namespace fastdp {
 
@@ -21,6 +23,42 @@ at::Tensor view_into(const at::Tensor& buffer, int64_t byte_offset, at::ScalarTy
   at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
       c10::Storage(buffer.storage()), buffer.key_set(), caffe2::TypeMeta::fromScalarType(dtype));
   out.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, base / itemsize);
+  return out;
+}
+
+FlatViews::FlatViews(std::vector<int64_t> offsets, std::vector<std::vector<int64_t>> sizes,
+                     std::vector<std::vector<int64_t>> strides)
+    : offsets_(std::move(offsets)), sizes_(std::move(sizes)), strides_(std::move(strides)) {
+  TORCH_CHECK(sizes_.size() == offsets_.size() && strides_.size() == offsets_.size(),
+              "fastdp.FlatViews: expected one size and one stride list per offset (",
+              offsets_.size(), "), got ", sizes_.size(), " and ", strides_.size());
+  for (size_t i = 0; i < offsets_.size(); ++i) {
+    TORCH_CHECK(sizes_[i].size() == strides_[i].size() && offsets_[i] >= 0,
+                "fastdp.FlatViews: tensor ", i, " has ", sizes_[i].size(), " sizes, ",
+                strides_[i].size(), " strides and offset ", offsets_[i]);
+    int64_t last = offsets_[i];  // one past the largest element index it reaches
+    bool empty = false;
+    for (size_t d = 0; d < sizes_[i].size(); ++d) {
+      TORCH_CHECK(sizes_[i][d] >= 0 && strides_[i][d] >= 0,
+                  "fastdp.FlatViews: negative size or stride in tensor ", i);
+      empty = empty || sizes_[i][d] == 0;
+      last += (sizes_[i][d] - 1) * strides_[i][d];
+    }
+    if (!empty) extent_ = std::max(extent_, last + 1);
+  }
+}
+
+std::vector<at::Tensor> FlatViews::operator()(const at::Tensor& flat) const {
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous() && flat.numel() >= extent_,
+              "fastdp.FlatViews: expected a contiguous 1-D flat of at least ", extent_,
+              " elements, got sizes ", flat.sizes());
+  const int64_t itemsize = flat.element_size();
+  std::vector<at::Tensor> out;
+  out.reserve(offsets_.size());
+  for (size_t i = 0; i < offsets_.size(); ++i) {
+    out.push_back(view_into(flat, offsets_[i] * itemsize, flat.scalar_type(), sizes_[i],
+                            strides_[i]));
+  }
   return out;
 }
 

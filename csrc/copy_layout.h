@@ -10,6 +10,15 @@
 
 namespace fastdp {
 
+// Hidden as pybind11's own types are (bound in bindings.cpp).
+#ifndef FASTDP_PY_HIDDEN
+#if defined(__GNUC__)
+#define FASTDP_PY_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define FASTDP_PY_HIDDEN
+#endif
+#endif
+
 // Byte alignment of every region in a packed per-device buffer (the CUDA allocator's own alignment
 // is 512; 256 keeps vectorised kernels and cuBLAS on their fast paths).
 constexpr int64_t kRegionAlign = 256;
@@ -32,6 +41,21 @@ at::Tensor view_into(const at::Tensor& buffer, int64_t byte_offset, at::ScalarTy
 // device). Every tensor must have the same dtype (no type promotion in a byte copy).
 at::Tensor empty_cat_output(const std::vector<at::Tensor>& tensors, int64_t dim,
                             at::Device destination, const char* op);
+
+// Tensors over one flat buffer at fixed element offsets, sizes and strides, each with its own
+// version counter and no autograd history (view_into's). Built once per bucket plan; called once
+// per flat (a dense buffer of the dtype the plan was made for, large enough for every tensor).
+class FASTDP_PY_HIDDEN FlatViews {
+ public:
+  FlatViews(std::vector<int64_t> offsets, std::vector<std::vector<int64_t>> sizes,
+            std::vector<std::vector<int64_t>> strides);
+  std::vector<at::Tensor> operator()(const at::Tensor& flat) const;
+
+ private:
+  std::vector<int64_t> offsets_;
+  std::vector<std::vector<int64_t>> sizes_, strides_;
+  int64_t extent_ = 0;  // elements the views span: flat must hold at least this many
+};
 
 // Offsets of every chunk along the split dim: offsets[r] = sum(sizes[0..r)).
 std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& sizes);

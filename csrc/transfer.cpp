@@ -22,6 +22,14 @@ size_t staging_window_for(size_t total, size_t capacity) {
   return std::min(capacity / 2, kWindow);
 }
 
+size_t scatter_window_for(size_t total, size_t capacity) {
+  if (total <= std::min(capacity, kMiB)) return total;
+  constexpr size_t kStep = size_t{64} << 10;
+  const size_t half = ((total + 1) / 2 + kStep - 1) / kStep * kStep;
+  const size_t w = std::min(std::max(half, kMiB), 4 * kMiB);
+  return std::min(w, capacity / 2 / kStep * kStep);
+}
+
 size_t staged_copy_window(size_t total, size_t capacity) {
   const size_t w = staging_window_for(total, capacity);
   if (w == total || w >= kMiB) return w;

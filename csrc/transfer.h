@@ -31,6 +31,12 @@ bool peer_access(int64_t a, int64_t b);
 // (capacity 0: "staging off"); the caller then copies unstaged. Pure: compiled in every build.
 size_t staging_window_for(size_t total, size_t capacity);
 
+// The window of a pageable host-to-GPU scatter of `total` bytes through a pool of `capacity`
+// bytes: all of it up to 1 MiB; beyond, half of it clamped to [1 MiB, 4 MiB] (64 KiB steps), so at
+// least two windows are in flight and packing one overlaps the DMA of the previous one; never above
+// half the capacity. 0 when the pool cannot hold a window (the caller copies unstaged). Pure.
+size_t scatter_window_for(size_t total, size_t capacity);
+
 // The window of a GPU-to-GPU copy staged through the host (no usable P2P): staging_window_for when
 // that is the whole copy or at least 1 MiB, else 8 MiB (the pool is off or tiny: those windows go
 // through pageable memory, one D2H + stream sync + H2D each). Never 0 and never below

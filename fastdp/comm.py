@@ -9,7 +9,9 @@ ids, -1 for the CPU), strings or ``torch.device``. Outputs carry no autograd his
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -21,9 +23,41 @@ from fastdp import _backend, engine
 from fastdp._devices import as_device
 from fastdp.reducer import reduce_add
 
-__all__ = ["broadcast_coalesced", "reduce_add_coalesced", "scatter", "gather", "scatter_leaves"]
+__all__ = [
+    "broadcast_coalesced",
+    "copy_stats",
+    "reduce_add_coalesced",
+    "scatter",
+    "gather",
+    "scatter_leaves",
+]
 
 _DEFAULT_BUFFER = 10485760
+
+_STATS_LOCK = threading.Lock()
+_STATS = {"scatter_ext_calls": 0, "gather_ext_calls": 0, "broadcast_layouts_built": 0}
+
+
+def _count(key: str) -> None:
+    with _STATS_LOCK:
+        _STATS[key] += 1
+
+
+def copy_stats() -> dict[str, int]:
+    """Process-wide counters of this module's copies since import (never reset; compare two
+    reads). Not the wrapper's per-step ``FastDataParallel.comm_stats()``.
+
+    ``scatter_ext_calls``: calls of the extension's fused scatter; ``gather_ext_calls``: of its
+    gather; ``broadcast_layouts_built``: bucket layouts ``broadcast_coalesced`` planned (one per
+    new tensor set); ``pinned_pool_allocations``: pinned blocks the extension's pool allocated
+    (0 without a CUDA build).
+    """
+    with _STATS_LOCK:
+        out = dict(_STATS)
+    ext = _backend.ext()
+    pool = dict(ext.pinned_pool_stats()) if ext is not None else {}
+    out["pinned_pool_allocations"] = int(pool.get("allocations", 0))
+    return out
 
 
 @functools.cache
@@ -72,9 +106,47 @@ def broadcast_coalesced(
                 f"fastdp.comm.broadcast_coalesced: every tensor must be on devices[0] "
                 f"({devs[0]}), but one is on {t.device}"
             )
-    layout = engine.Layout(tensors, devs, range(1, len(devs)), buffer_size)
+    layout = _broadcast_plan(tensors, devs, buffer_size).with_storage(tensors)
     layout.refresh(tensors, None)
     return [tensors] + [list(layout.rows[j]) for j in range(1, len(devs))]
+
+
+# NOTE [ Broadcast plans ]
+# broadcast_coalesced plans its buckets (engine.Layout without storage: bucket assignment,
+# geometry, the extension's per-bucket view makers) once per tensor set and reuses the plan; every
+# call still allocates its own flats and copies the current values, so results of two calls never
+# alias. The key is the tensors' signature (identity, storage, shape, strides, dtype, device:
+# ``_C.tensor_signature``, or those fields themselves without the extension) with the devices and
+# the bucket size. The cache holds no tensor, so it keeps none alive; it is bounded (LRU).
+_PLANS: collections.OrderedDict[Any, engine.Layout] = collections.OrderedDict()
+_PLANS_MAX = 16
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    return t.stride() if t.layout == torch.strided else None
+
+
+def _broadcast_plan(
+    tensors: list[torch.Tensor], devs: list[torch.device], buffer_size: int
+) -> engine.Layout:
+    ext = _backend.ext()
+    if ext is not None:
+        sig: Any = ext.tensor_signature(tensors)
+    else:
+        sig = tuple((id(t), t.shape, _strides(t), t.dtype, t.device) for t in tensors)
+    key = (sig, tuple(devs), buffer_size)
+    with _STATS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = engine.Layout(tensors, devs, range(1, len(devs)), buffer_size, allocate=False)
+    with _STATS_LOCK:
+        _STATS["broadcast_layouts_built"] += 1
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    return plan
 
 
 def reduce_add_coalesced(
@@ -102,6 +174,26 @@ def reduce_add_coalesced(
         return reduce_add(inputs, dest, buffer_size)
 
 
+# NOTE [ Same-device chunks ]
+# A chunk bound for the device its source is on is a view of the source, as in torch's
+# comm.scatter (whose .to() returns the chunk itself). When every chunk of a ``scatter`` without
+# chunk_sizes stays, it returns ``tensor.chunk``'s views before any planning or extension call
+# (``torch.chunk`` gives ``plan_chunks``'s sizes): no byte moves, the cost is torch's own. Other
+# same-device chunks are views too, made by the extension's one call for all leaves.
+
+
+def _all_on(dev: torch.device, devices: Sequence[Any]) -> bool:
+    """Whether every entry of ``devices`` (ints, strings or torch.device) names ``dev``."""
+    cuda_id = dev.index if dev.type == "cuda" else -1
+    name = str(dev)
+    for d in devices:
+        if (type(d) is int and d == cuda_id) or (type(d) is str and d == name) or d == dev:
+            continue
+        if type(d) is int or as_device(d) != dev:
+            return False
+    return True
+
+
 def scatter(
     tensor: torch.Tensor,
     devices: Sequence[Any] | None = None,
@@ -118,6 +210,8 @@ def scatter(
     """
     if out is not None:
         return _tcomm.scatter(tensor, devices, chunk_sizes, dim, streams, out=out)
+    if chunk_sizes is None and devices and _all_on(tensor.device, devices):
+        return tensor.chunk(len(devices), dim)  # views, as torch's (NOTE [ Same-device chunks ])
     devs = [as_device(d) for d in (devices or ())]
     if not devs:
         raise RuntimeError("Expected at least one device to scatter to")
@@ -132,10 +226,8 @@ def scatter(
         sizes = plan_chunks([tensor.size(dim)], len(devs))[0]
     else:
         sizes = plan_chunks([tensor.size(dim)], len(devs), list(chunk_sizes))[0]
-    return tuple(
-        scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])[r][0]
-        for r in range(len(sizes))
-    )
+    rows = scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])
+    return tuple(row[0] for row in rows[: len(sizes)])
 
 
 def scatter_leaves(
@@ -152,6 +244,7 @@ def scatter_leaves(
     devices = [d if isinstance(d, torch.device) else as_device(d) for d in devices]
     ext = _copy_ext(leaves, devices)
     if ext is not None:
+        _count("scatter_ext_calls")
         out = [
             list(r)
             for r in ext.scatter_chunks(
@@ -190,6 +283,7 @@ def gather(
         dest = as_device(destination)
     ext = _copy_ext(tensors, [dest], one_dtype=True)
     if ext is not None:
+        _count("gather_ext_calls")
         return ext.gather_into(list(tensors), dim, dest)
     return torch.cat([t.to(dest, non_blocking=dest.type == "cuda") for t in tensors], dim)
 

@@ -25,12 +25,16 @@ reduce.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.nn.parallel import comm as torch_comm
+
+from fastdp import _backend
 
 __all__ = [
     "DEFAULT_CAP_MB",
@@ -197,6 +201,8 @@ class Layout:
         copy_rows: Sequence[int],
         cap_bytes: float,
         buckets: list[list[int]] | None = None,
+        *,
+        allocate: bool = True,
     ) -> None:
         self.devices = list(devices)
         self.copy_rows = list(copy_rows)
@@ -210,6 +216,28 @@ class Layout:
         src = self.devices[0]
         # NOTE [ Buckets ]: staging only where a copy leaves the source device
         self.direct = all(self.devices[j] == src for j in self.copy_rows)
+        self.view_makers = [self._view_maker(b, k) for k, b in enumerate(self.buckets)]
+        if allocate:
+            self._allocate(tensors)
+
+    def with_storage(self, tensors: Sequence[torch.Tensor]) -> Layout:
+        """A layout with this one's plan (devices, buckets, geometry) and storage of its own,
+        for tensors of the geometry it was planned for; builds no plan."""
+        new = copy.copy(self)
+        new._allocate(tensors)
+        return new
+
+    def _view_maker(self, b: list[int], k: int) -> Any:
+        """The extension's maker of a flat bucket's tensors (None: made in Python)."""
+        ext = _backend.ext()
+        if ext is None or not self.flat[k] or not hasattr(ext, "FlatViews"):
+            return None
+        offsets = [0, *itertools.accumulate(self.numels[k])][:-1]
+        shapes = [list(self.shapes[i]) for i in b]
+        return ext.FlatViews(offsets, shapes, [list(self.strides[i]) for i in b])
+
+    def _allocate(self, tensors: Sequence[torch.Tensor]) -> None:
+        src = self.devices[0]
         with torch.inference_mode(False), torch.no_grad():
             self.staging = (
                 []
@@ -261,6 +289,8 @@ class Layout:
     ) -> list[torch.Tensor]:
         if not self.flat[k]:
             return [flat]
+        if self.view_makers[k] is not None:
+            return self.view_makers[k](flat)
         out, offset = [], 0
         for i, n in zip(b, self.numels[k]):
             shape, stride = self.shapes[i], self.strides[i]

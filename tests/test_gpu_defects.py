@@ -286,8 +286,11 @@ def test_pinned_pool_events_are_not_move_assigned() -> None:
     import pathlib
     import re
 
-    src = (pathlib.Path(__file__).resolve().parents[1] / "csrc/cuda/pinned_pool.cpp").read_text()
-    code = re.sub(r"//[^\n]*", "", src)
-    assert re.search(r"std::list<at::cuda::CUDAEvent>\s+events", code)
-    assert not re.search(r"std::vector<\s*(at|c10)::cuda::CUDAEvent", code)
-    assert ".erase(" not in code.split("bool idle(")[1].split("}")[0]
+    root = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    core = re.sub(r"//[^\n]*", "", (root / "pinned_pool_core.h").read_text())
+    cuda = re.sub(r"//[^\n]*", "", (root / "cuda/pinned_pool.cpp").read_text())
+    assert re.search(r"std::list<Event>\s+events", core)
+    assert re.search(r"PoolBlock<at::cuda::CUDAEvent>", (root / "cuda/pinned_pool.h").read_text())
+    for code in (core, cuda):
+        assert not re.search(r"std::vector<\s*((at|c10)::cuda::CUDA)?Event\b", code)
+    assert ".erase(" not in core.split("bool idle(")[1].split("}")[0]

@@ -13,11 +13,12 @@
 #include <utility>
 #include <vector>
 
+#include "pinned_pool_core.h"
 #include "transfer.h"
 
 namespace fastdp {
 
-struct PinnedBlockState;
+using PinnedBlockState = PoolBlock<at::cuda::CUDAEvent>;
 
 // A pinned host block lent by the pool. Move-only; returned to the pool on destruction. Copies that
 // read or write it must be followed by record(stream) before the handle dies: the pool then lends
@@ -45,9 +46,10 @@ class PinnedBlock {
   PinnedBlockState* state_ = nullptr;
 };
 
-// A block of at least `bytes` (> 0) bytes. May wait on the oldest in-flight block when the pool is
-// at capacity (an event wait, never a device sync). Empty when bytes exceed the capacity
-// (FASTDP_PINNED_POOL_MB, default 256; 0 disables staging) or cudaHostAlloc fails.
+// A block of at least `bytes` (> 0) bytes, of a fixed size class (pinned_size_class). May wait on
+// the oldest in-flight block when the pool is at capacity (an event wait outside the pool's lock,
+// never a device sync). Empty when bytes exceed the capacity (FASTDP_PINNED_POOL_MB, default 256;
+// 0 disables staging), every block is lent, or cudaHostAlloc fails.
 PinnedBlock pinned_acquire(size_t bytes);
 
 // pinned_pool_stats, pinned_pool_set_capacity and pinned_pool_empty_cache: see transfer.h.
@@ -59,7 +61,7 @@ c10::cuda::CUDAStream copy_stream(c10::DeviceIndex device);
 // The pool's current capacity in bytes (0: staging off).
 size_t pinned_pool_capacity();
 
-// staging_window_for(total, the pool's current capacity): see transfer.h.
+// scatter_window_for(total, the pool's current capacity): see transfer.h.
 size_t staging_window(size_t total);
 
 }  // namespace fastdp

@@ -3,6 +3,15 @@
 #include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
 
 #include <ATen/Parallel.h>
+// The host allocator's header trips GCC's -Winterference-size as CUDAEvent.h does (cuda_event.h).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winterference-size"
+#include <ATen/core/CachingHostAllocator.h>
+#pragma GCC diagnostic pop
+#else
+#include <ATen/core/CachingHostAllocator.h>
+#endif
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -21,9 +30,15 @@
 namespace fastdp {
 namespace {
 
-// Pinned, dense chunks at least this large go straight from the leaf: staging would only add a
-// host memcpy to the same DMA.
-constexpr int64_t kDirectMin = int64_t{1} << 20;
+// NOTE [ Stream order of host copies ]
+// Pinned chunks are copied on the destination's current stream, as torch's .to() copies them: one
+// cudaMemcpyAsync per dense chunk (cudaMemcpy2DAsync for rows of one strided dim), never read by
+// the host, so a batch still being filled by a non_blocking copy on that stream is read after it
+// lands; torch's host allocator records the stream on their blocks. Pageable chunks cannot be
+// the target of a pending copy (CUDA finishes copies into pageable memory before returning): they
+// are packed on the host now and sent on the device's copy stream; the current stream waits on an
+// event for them and the buffer is recorded for it. Under CUDA graph capture everything stays on
+// the capturing stream, and pageable sources are refused (a host copy is not replayed).
 
 // One chunk that must be copied: its source view, its destination strides and region.
 struct Copy {
@@ -107,36 +122,83 @@ void flush_window(std::vector<Piece>& pieces, int64_t begin, int64_t end, const 
   pieces.clear();
 }
 
-// CPU leaves -> CUDA device: see NOTE [ Pinned staging ].
-void scatter_from_host(std::vector<Copy*>& copies, c10::DeviceIndex device,
-                       std::vector<std::vector<at::Tensor>>& result) {
-  const c10::cuda::CUDAStream stream = copy_stream(device);
-  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
-  std::vector<Copy*> staged, direct;
-  for (Copy* c : copies) {
-    const bool dense = c->chunk.is_non_overlapping_and_dense();
-    (dense && c->nbytes >= kDirectMin && c->chunk.is_pinned() ? direct : staged).push_back(c);
+bool capturing(const c10::cuda::CUDAStream& stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+at::Tensor byte_buffer(int64_t total, c10::DeviceIndex device) {
+  return at::empty({total}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+}
+
+// The one outer dim of a strided pinned chunk whose rows are contiguous in both layouts (-1: none).
+int64_t row_dim(const Copy& c) {
+  const Rows rows = rows_of(c);
+  if (rows.dim < 0 || c.chunk.stride(rows.dim) < c.strides[rows.dim]) return -1;
+  for (int64_t k = 0; k < c.chunk.dim(); ++k) {
+    if (k != rows.dim && c.chunk.size(k) > 1 && c.chunk.stride(k) != c.strides[k]) return -1;
   }
-  const int64_t staged_end = lay_out(staged, 0);  // staged regions first: windows never span
-  const int64_t total = lay_out(direct, staged_end);  // a direct chunk's region
+  return rows.dim;
+}
+
+// Pinned leaves -> `device`: see NOTE [ Stream order of host copies ].
+void scatter_pinned(std::vector<Copy*>& copies, c10::DeviceIndex device,
+                    std::vector<std::vector<at::Tensor>>& result) {
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
+  const int64_t total = lay_out(copies, 0);
+  const at::Tensor buf = byte_buffer(total, device);
+  c10::cuda::CUDAStreamGuard guard(current);
+  for (Copy* c : copies) {
+    at::Tensor& out = result[c->r][c->i];
+    out = view_into(buf, c->offset, c->chunk.scalar_type(), c->chunk.sizes(), c->strides);
+    if (c->nbytes == 0) continue;
+    char* dst = static_cast<char*>(buf.data_ptr()) + c->offset;
+    const bool lazy = c->chunk.is_conj() || c->chunk.is_neg();  // copy_ materialises those bits
+    const int64_t d = lazy ? -1 : c->chunk.is_non_overlapping_and_dense() ? -2 : row_dim(*c);
+    const int64_t item = c->chunk.element_size();
+    if (d == -2) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(dst, c->chunk.const_data_ptr(), c->nbytes,
+                                     cudaMemcpyHostToDevice, current));
+    } else if (d >= 0) {
+      const int64_t width = c->nbytes / c->chunk.size(d);
+      C10_CUDA_CHECK(cudaMemcpy2DAsync(dst, c->strides[d] * item, c->chunk.const_data_ptr(),
+                                       c->chunk.stride(d) * item, width, c->chunk.size(d),
+                                       cudaMemcpyHostToDevice, current));
+    } else {
+      out.copy_(c->chunk, /*non_blocking=*/true);  // torch's own path for other layouts
+      continue;
+    }
+    const c10::Storage& st = c->chunk.storage();
+    at::getHostAllocator(at::kCUDA)->record_event(const_cast<void*>(st.data()),
+                                                  st.data_ptr().get_context(), current.unwrap());
+  }
+}
+
+// Pageable leaves -> `device`: see NOTE [ Pinned staging ].
+void scatter_pageable(std::vector<Copy*>& copies, c10::DeviceIndex device,
+                      std::vector<std::vector<at::Tensor>>& result) {
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device);
+  TORCH_CHECK(!capturing(current), "fastdp.scatter_chunks: a pageable CPU tensor cannot be ",
+              "copied to cuda:", static_cast<int>(device), " while a CUDA graph is being captured ",
+              "(its host copy would not be replayed): pin it (tensor.pin_memory()) or move it to "
+              "the GPU before the capture");
+  const c10::cuda::CUDAStream stream = copy_stream(device);
+  const int64_t total = lay_out(copies, 0);
   at::Tensor buf;
   {
     c10::cuda::CUDAStreamGuard guard(stream);  // allocated for the copy stream, used on current
-    buf = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+    buf = byte_buffer(total, device);
   }
   if (total > 0) buf.record_stream(current);
   for (Copy* c : copies) {
     result[c->r][c->i] =
         view_into(buf, c->offset, c->chunk.scalar_type(), c->chunk.sizes(), c->strides);
   }
-  {
-    c10::cuda::CUDAStreamGuard guard(stream);
-    for (Copy* c : direct) result[c->r][c->i].copy_(c->chunk, /*non_blocking=*/true);
-  }
-  const int64_t window = static_cast<int64_t>(staging_window(static_cast<size_t>(staged_end)));
+  const int64_t window = static_cast<int64_t>(staging_window(static_cast<size_t>(total)));
   std::vector<Piece> pieces;
   int64_t begin = 0, end = 0;
-  for (Copy* c : staged) {
+  for (Copy* c : copies) {
     const Rows rows = rows_of(*c);
     for (int64_t row0 = 0; row0 < rows.count && c->nbytes > 0;) {
       const int64_t start = c->offset + row0 * rows.bytes;
@@ -163,11 +225,24 @@ void scatter_from_host(std::vector<Copy*>& copies, c10::DeviceIndex device,
   done.block(current);
 }
 
+// CPU leaves -> CUDA device: pinned and pageable chunks in buffers of their own.
+void scatter_from_host(std::vector<Copy*>& copies, c10::DeviceIndex device,
+                       std::vector<std::vector<at::Tensor>>& result) {
+  std::vector<Copy*> pinned, pageable;
+  for (Copy* c : copies) (c->chunk.is_pinned() ? pinned : pageable).push_back(c);
+  if (!pinned.empty()) scatter_pinned(pinned, device, result);
+  if (!pageable.empty()) scatter_pageable(pageable, device, result);
+}
+
 // Leaves on GPU `src` -> GPU `device`: one multi_copy pack on src, one peer copy.
 void scatter_from_device(std::vector<Copy*>& copies, c10::DeviceIndex src, c10::DeviceIndex device,
                          std::vector<std::vector<at::Tensor>>& result) {
   const c10::cuda::CUDAStream src_stream = c10::cuda::getCurrentCUDAStream(src);
   const c10::cuda::CUDAStream dst_stream = c10::cuda::getCurrentCUDAStream(device);
+  TORCH_CHECK(!capturing(src_stream) && !capturing(dst_stream),
+              "fastdp.scatter_chunks: copies between GPUs (cuda:", static_cast<int>(src),
+              " -> cuda:", static_cast<int>(device), ") are not captured in CUDA graphs by fastdp: "
+              "capture on one device, or set FASTDP_DISABLE_EXT=1 for torch's copies");
   const int64_t total = lay_out(copies, 0);
   const at::TensorOptions bytes = at::TensorOptions().dtype(at::kByte);
   at::Tensor buf = at::empty({total}, bytes.device(at::kCUDA, device));

@@ -9,11 +9,11 @@
 namespace fastdp {
 
 // Same contract as fastdp::scatter_chunks (validated there; dims non-negative, one per leaf,
-// devices.size() == number of chunks). Per destination CUDA device: CPU leaves are packed into
-// pinned staging blocks and sent by one async H2D (pipelined in windows when large) on the device's
-// background copy stream; leaves on another GPU are packed by one multi_copy launch on their
-// device's current stream and sent by one peer copy. The destination's current stream waits on
-// events for both. CUDA leaves bound for the CPU are copied with Tensor.to (synchronous).
+// devices.size() == number of chunks). Per destination CUDA device: pinned CPU leaves are sent by
+// one async copy per chunk on its current stream; pageable ones are packed into pinned windows
+// and sent on its background copy stream; leaves on another GPU are packed by one multi_copy
+// launch and sent by one peer copy. Results are ordered on each destination's current stream (NOTE
+// [ Stream order of host copies ]). CUDA leaves bound for the CPU are copied with Tensor.to.
 std::vector<std::vector<at::Tensor>> scatter_cuda(const std::vector<at::Tensor>& leaves,
                                                   const std::vector<std::vector<int64_t>>& plan,
                                                   const std::vector<int64_t>& dims,

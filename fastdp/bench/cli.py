@@ -185,6 +185,7 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
         skipped_suites=skipped,
         profiles=profiles,
         gpu_dry_run=args.gpu_dry_run,
+        threads=args.threads,
         tasks=len(tasks),
     )
     os.makedirs(args.out, exist_ok=True)

@@ -37,8 +37,8 @@ def add_ratios(records: list[dict]) -> None:
             key = (suite, r.get("workload"), r.get("replicas"))
         elif suite == "module-build":
             key = (suite, r.get("workload"))
-        elif r.get("kind") in ("scatter", "gather", "broadcast"):
-            key = (suite, r["op"], r["bytes"])
+        elif r.get("kind") in ("scatter", "gather", "broadcast", "view"):
+            key = (suite, r["op"], r["bytes"], r.get("threads"))
         else:
             continue
         by_cfg[key][r.get("mode")] = r
@@ -404,15 +404,29 @@ _SECTIONS = {
         ],
     ),
     "comm": (
-        "Collectives: effective GB/s = bytes / time; x limit = GB/s / plain copy GB/s",
-        ["op", "bytes", "impl", "status", "median ms", "GB/s", "x limit", "x torch"],
+        "Collectives: effective GB/s = bytes / time; x limit = GB/s / plain copy GB/s; "
+        "rows that move no byte (views) in us per call",
+        [
+            "op",
+            "bytes",
+            "impl",
+            "threads",
+            "status",
+            "median ms",
+            "GB/s",
+            "us/call",
+            "x limit",
+            "x torch",
+        ],  # fmt: skip
         lambda r: [
             r.get("op"),
             _bytes(r.get("bytes")),
             r["mode"],
+            r.get("threads"),
             _status(r),
             _t(r, "median_ms"),
             r.get("gbps"),
+            r.get("us_per_call"),
             r.get("frac_of_limit"),
             _rat(r, "vs_torch"),
         ],

@@ -101,15 +101,27 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+def _pool_allocations() -> int:
+    """Blocks the extension's pinned pool allocated so far (0 without a CUDA build)."""
+    from fastdp import comm
+
+    return comm.copy_stats()["pinned_pool_allocations"]
+
+
 def time_into(s: Settings, fns: dict, recs: dict, sync: Callable[[], None] | None = None) -> None:
     """Times ``fns`` interleaved into ``recs[key]["time_ms"]`` (same keys); a failure (OOM, error)
     is recorded in every record that was being timed."""
     if not fns:
         return
+    before = _pool_allocations()
 
     def body(_: dict) -> None:
         for key, st in s.measure_many(fns, sync).items():
             recs[key]["time_ms"] = st.as_dict()
+            recs[key]["pinned_pool_allocations"] = {"before": before}
+        after = _pool_allocations()
+        for key in fns:
+            recs[key].setdefault("pinned_pool_allocations", {})["after"] = after
 
     failed = guarded({}, body)
     if failed.get("status", "ok") != "ok":

@@ -3,11 +3,14 @@
 ``gpu-comm`` / ``multigpu-comm``     scatter (from a GPU, from pinned and from pageable host
     memory), gather and ``broadcast_coalesced``: ``fastdp.comm`` against ``torch.nn.parallel.comm``
     on the same tensors, interleaved with the copy limits: one plain copy of the same bytes
-    (pinned host -> cuda:0 for host sources, cuda:0 -> the last device otherwise).
+    (pinned host -> cuda:0 for host sources, cuda:0 -> the last device otherwise, and a host
+    memcpy). Same-device scatter rows are ``view`` rows in us per call; the pageable rows run at
+    1 and 8 threads (NOTE [ Threads of the pageable rows ]).
 ``gpu-replicate`` / ``multigpu-replicate``   ``torch.nn.parallel.replicate``, DataParallel's
     algorithm (``fastdp.replicate.replicate``), ``FastDataParallel.replicate`` (steady state: each
     timed call followed, untimed, by a backward through the replicas, as in training) and the
-    parameter broadcast alone (``broadcast_coalesced``, torch vs fastdp).
+    parameter broadcast alone (``torch_broadcast_coalesced`` vs ``fastdp_comm_broadcast_coalesced``:
+    ``fastdp.comm.broadcast_coalesced``, not the engine refresh ``fastdp`` replicas use).
 ``gpu-steps`` / ``multigpu-steps``   training steps: replicas sharing cuda:0 (``[0] * n``) or one
     per distinct GPU (``[0, 1, ..., k-1]``), every mode, inputs on cuda:0 and as a host batch
     (pageable and pinned; the bare module's step then includes its own copy to cuda:0).
@@ -20,6 +23,7 @@ machine without a GPU can execute every line of these suites; its figures mean n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -90,11 +94,14 @@ def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple
     dst_h2d = torch.empty_like(x)
     chunks = [c.to(d) for c, d in zip(x.chunk(n), devs)]
     params = list(x.view(-1).split(max(x.numel() // 200, 1024)))
+    dst_host = torch.empty_like(pageable)
+    same_device = len({str(d) for d in devs}) == 1
     ops = {
         "limit_h2d": ("limit", {"copy": lambda: dst_h2d.copy_(pinned, non_blocking=True)}, None),
         "limit_d2d": ("limit", {"copy": lambda: dst_far.copy_(x, non_blocking=True)}, None),
+        "limit_host": ("limit", {"copy": lambda: dst_host.copy_(pageable)}, None),
         "scatter_gpu": (
-            "scatter",
+            "view" if same_device else "scatter",
             {
                 "torch": lambda: tcomm.scatter(x, devices),
                 "fastdp": lambda: fcomm.scatter(x, devices),
@@ -137,6 +144,18 @@ def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple
     return ops, len(params)
 
 
+# Rows timed once per torch thread count (NOTE [ Threads of the pageable rows ]).
+THREADED_OPS = ("scatter_pageable", "limit_host")
+PAGEABLE_THREADS = (1, 8)
+
+
+# NOTE [ Threads of the pageable rows ]
+# A pageable scatter is bounded by host memcpy, whose speed follows torch's intra-op threads: its
+# rows and the host-copy limit are timed at 1 and at 8 threads (``threads`` in each record); every
+# other row at the run's ``--threads``. A row that moves no byte (kind ``view``: every chunk stays
+# on its device) is reported in microseconds per call (``us_per_call``), never in GB/s.
+
+
 def comm_tasks(s: Settings, multi: bool) -> list[Task]:
     suite = "multigpu-comm" if multi else "gpu-comm"
     devices = list(range(gpu_count())) if multi else [0] * 4
@@ -149,8 +168,11 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
         x = torch.randn(rows, size // 4 // rows, device=devs[0])
         ops, tensors = _comm_ops(x, ids(devices), devs)
         recs: dict[tuple, dict] = {}
-        fns = {}
-        for op, (kind, impls, ref) in ops.items():
+        fns: dict[tuple, Callable] = {}
+        passes = [(op, None) for op in ops if op not in THREADED_OPS]
+        passes += [(op, t) for t in PAGEABLE_THREADS for op in THREADED_OPS]
+        for op, threads in passes:
+            kind, impls, ref = ops[op]
             for impl, fn in impls.items():
 
                 def check(r: dict, fn=fn, ref=ref) -> None:
@@ -160,7 +182,8 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
                         if not r["check"]["ok"]:
                             r["status"] = "check_failed"
 
-                recs[(op, impl)] = guarded(
+                key = (op, impl, threads)
+                recs[key] = guarded(
                     {
                         "suite": suite,
                         "op": op,
@@ -170,27 +193,46 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
                         "devices": [str(d) for d in devs],
                         "replicas": n,
                         "tensors": tensors if kind == "broadcast" else 1,
+                        "threads": threads or torch.get_num_threads(),
                     },
                     check,
                 )
-                if recs[(op, impl)]["status"] in ("ok", "check_failed"):
-                    fns[(op, impl)] = fn
-        time_into(s, fns, recs, sync)
+                if recs[key]["status"] in ("ok", "check_failed"):
+                    fns[key] = fn
+        time_into(s, {k: f for k, f in fns.items() if k[2] is None}, recs, sync)
+        for t in PAGEABLE_THREADS:
+            with _threads(t):
+                time_into(s, {k: f for k, f in fns.items() if k[2] == t}, recs, sync)
         out = list(recs.values())
         for r in out:
-            if "time_ms" in r:
+            if "time_ms" in r and r["kind"] == "view":
+                r["us_per_call"] = r["time_ms"]["median_ms"] * 1e3
+            elif "time_ms" in r:
                 r["gbps"] = r["bytes"] / (r["time_ms"]["median_ms"] * 1e-3) / 1e9
-        limits = {r["op"]: r for r in out if r["kind"] == "limit" and "gbps" in r}
+        limits = {(r["op"], r["threads"]): r for r in out if r["kind"] == "limit" and "gbps" in r}
+        run_threads = torch.get_num_threads()
         for r in out:
-            lim = limits.get(
-                "limit_h2d" if r["op"] in ("scatter_pinned", "scatter_pageable") else "limit_d2d"
-            )
+            host = r["op"] in ("scatter_pinned", "scatter_pageable")
+            lim = limits.get(("limit_h2d" if host else "limit_d2d", run_threads))
             if r["kind"] != "limit" and lim and "gbps" in r:
                 r["limit_op"], r["limit_gbps"] = lim["op"], lim["gbps"]
                 r["frac_of_limit"] = r["gbps"] / lim["gbps"]
         return out
 
     return [Task(suite, f"{z >> 10} KiB", lambda z=z: run(z)) for z in comm_sizes(s.profile)]
+
+
+class _threads:
+    """torch's intra-op threads set to ``n`` inside the block."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.prev = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.prev)
 
 
 def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
@@ -214,8 +256,8 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
             "torch": lambda: torch.nn.parallel.replicate(model, d),
             "dp_algo": lambda: fresh(model, d, False),
             "fastdp": lambda: fdp.replicate(fdp.module, fdp.device_ids),
-            "torch_broadcast": lambda: tcomm.broadcast_coalesced(params, d),
-            "fastdp_broadcast": lambda: fcomm.broadcast_coalesced(params, d),
+            "torch_broadcast_coalesced": lambda: tcomm.broadcast_coalesced(params, d),
+            "fastdp_comm_broadcast_coalesced": lambda: fcomm.broadcast_coalesced(params, d),
         }
         base = {
             "suite": suite,
@@ -274,6 +316,8 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
         if multi:  # wide8 at the gpu profile: 134M parameters, the refresh/reduce-bound case
             combos.append(("wide8", "cuda"))
     sets = device_sets(multi, s.replicas)
+    if s.profile == "gpu":  # step rows: every one of at least 10 repeats, whatever they take
+        s = dataclasses.replace(s, repeats=max(s.repeats, 10), max_total_s=None)
     cache: dict[tuple, tuple] = {}
 
     def model_and_args(w: wl.Workload, where: str) -> tuple:
