@@ -109,10 +109,10 @@ def test_every_reduction_goes_through_reduce_add(monkeypatch, distinct):
         calls.append(1)
         return real(*a, **k)
 
-    def native(self, local):
+    def native(self, local, fresh):
         if local:
             calls.append("native")
-        return real_ran(self, local)
+        return real_ran(self, local, fresh)
 
     monkeypatch.setattr(fastdp.reducer, "reduce_add", counting)
     monkeypatch.setattr(fastdp.reducer.BucketLink, "ran", native)
