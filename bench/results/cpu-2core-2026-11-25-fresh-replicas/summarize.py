@@ -4,7 +4,7 @@ import glob
 import json
 import statistics
 
-runs = sorted(glob.glob("*-[12]/results.json"), key=lambda p: (p.split("-")[-1], p))
+runs = sorted(glob.glob("*-[0-9]/results.json"), key=lambda p: (p.split("-")[-1], p))
 rows = {}
 for path in runs:
     recs = json.load(open(path))["records"]
