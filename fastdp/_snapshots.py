@@ -34,15 +34,18 @@ class _PyDictSnapshot:
             raise TypeError("DictSnapshot takes a list of dicts")
         self.dicts = dicts
         self.sizes = list(map(len, dicts))
+        # Where the sizes are unchanged, the dicts empty at the snapshot are still empty: the
+        # passes over entries skip them (most ``_buffers`` and leaves' ``_modules``)
+        self.full = [d for d in dicts if d]
         self.keys = tuple(chain.from_iterable(dicts))
         self.values = tuple(chain.from_iterable(map(dict.values, dicts)))
 
     def changed(self) -> list[int]:
         if (
             list(map(len, self.dicts)) == self.sizes
-            and all(map(operator.is_, chain.from_iterable(self.dicts), self.keys))
+            and all(map(operator.is_, chain.from_iterable(self.full), self.keys))
             and all(
-                map(operator.is_, chain.from_iterable(map(dict.values, self.dicts)), self.values)
+                map(operator.is_, chain.from_iterable(map(dict.values, self.full)), self.values)
             )
         ):
             return []

@@ -68,6 +68,19 @@ def test_a_snapshot_sees_every_rebinding_by_identity_and_nothing_else(make):
 
 
 @pytest.mark.parametrize("make", SNAPSHOTS)
+def test_an_empty_dict_filled_and_a_key_swapped_for_another_are_seen(make):
+    dicts = [{}, {"a": 1}, {}, {"b": 2, "c": 3}]
+    snap = make(dicts)
+    dicts[2]["x"] = 0
+    del dicts[1]["a"]  # sizes otherwise unchanged: one more in 2, one fewer in 1
+    assert snap.changed() == [1, 2]
+    snap = make(dicts)
+    value = dicts[3].pop("c")
+    dicts[3]["d"] = value  # same size, same value object, another key
+    assert snap.changed() == [3]
+
+
+@pytest.mark.parametrize("make", SNAPSHOTS)
 def test_a_change_undone_is_no_change_and_later_changes_are_still_seen(make):
     """The extension skips dicts whose version tag is unchanged (NOTE [ Dict version fast path
     ]): a dict written and put back must compare equal, then keep seeing new writes."""
