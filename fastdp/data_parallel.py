@@ -20,7 +20,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _backend, _torch_private, _tree, engine, strategies
+from fastdp import _backend, _launch, _torch_private, _tree, engine
 from fastdp import balance as _balance  # [beyond DP] chunk sizes and shares per device
 from fastdp._accumulate import fold
 from fastdp._compiled import (
@@ -31,15 +31,12 @@ from fastdp._compiled import (
 )
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._planner import StepPlan, make_plan
+from fastdp._runners import raise_first_error
 from fastdp._snapshots import module_dicts, snapshot
 from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
 from fastdp.criterion import Scattered
-from fastdp.parallel_apply import (
-    must_run_concurrently,
-    parallel_apply,
-    raise_first_error,
-)
+from fastdp.parallel_apply import parallel_apply
 from fastdp.replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import gather, scatter_kwargs
@@ -90,7 +87,7 @@ class FastDataParallel(DataParallel):
         launch: keyword-only; how replicas run: ``"threads"`` (one worker thread each),
             ``"inline"`` (in turn on the caller's thread) or ``"auto"`` (measure both, keep the
             faster). Default ``FASTDP_LAUNCH``, else ``"auto"``; see NOTE [ Launch strategies ]
-            in ``fastdp/strategies.py``. ``launch_report()`` shows what ``auto`` picked.
+            in ``fastdp/_launch.py``. ``launch_report()`` shows what ``auto`` picked.
         bucket_cap_mb: keyword-only; the size of the buckets replicas are refreshed and
             gradients reduced in (DDP's default 25; the first bucket at most 1 MiB). See
             NOTE [ Buckets ] in ``fastdp/engine.py``; ``comm_stats()`` counts the calls.
@@ -143,7 +140,7 @@ class FastDataParallel(DataParallel):
         self._comm = engine.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple | None = None  # NOTE [ One signature per step ]
-        self.strategy = strategies.make(launch)  # NOTE [ Launch strategies ]
+        self.strategy = _launch.make(launch)  # NOTE [ Launch strategies ]
         self._last: dict[str, str | None] = {"launch": None}  # see last_launch
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
@@ -258,10 +255,10 @@ class FastDataParallel(DataParallel):
         self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any], kwargs: Sequence[Any]
     ) -> list[Any]:
         on = {"devices": plan.devices[: len(inputs)]} if plan.custom else {}
-        rs = getattr(replicas, "replica_set", None)
-        if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
+        if _launch.must_run_in_order(replicas):  # NOTE [ Compiled replicas run in order ]
             with backward_with_forward():  # NOTE [ Backward compiled with the forward ]
                 return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
+        rs = getattr(replicas, "replica_set", None)
         if rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
             return self.parallel_apply(replicas, inputs, kwargs, **on)
         with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
@@ -469,9 +466,8 @@ class FastDataParallel(DataParallel):
             devices = self._devices[: len(replicas)]
         strategy = self.strategy
         if launch is not None and launch != strategy.name:
-            strategy = strategies.make(launch)
-        if must_run_concurrently(replicas):
-            strategy = strategies.THREADS  # see NOTE [ Replicas that must run at once ]
+            strategy = _launch.make(launch)
+        strategy = _launch.for_replicas(strategy, replicas)  # NOTE [ ... run at once ]
         if not self.persistent or len(replicas) < 2:
             name = "threads" if strategy.name == "auto" else strategy.name
             self._last["launch"] = name
@@ -499,7 +495,7 @@ class FastDataParallel(DataParallel):
 
     @launch.setter
     def launch(self, value: str | None) -> None:
-        self.strategy = strategies.make(value)
+        self.strategy = _launch.make(value)
 
     def launch_report(self) -> list[dict[str, Any]]:
         """What ``launch="auto"`` measured and chose, one record per (devices, inputs, grad):
