@@ -109,16 +109,19 @@ def structure_key(spec: tuple) -> tuple:
     return (*spec[:-1], tuple(structure_key(s) for s in spec[-1]))
 
 
-def first_tensor(obj: Any) -> torch.Tensor | None:
-    """The first tensor leaf of ``obj`` in flatten's order, or None."""
+def first_tensor(
+    obj: Any, where: Callable[[torch.Tensor], bool] | None = None
+) -> torch.Tensor | None:
+    """The first tensor leaf of input ``obj`` in flatten's order (the first for which ``where``
+    holds, if given), or None; it stops there, without flattening the rest."""
     if isinstance(obj, torch.Tensor):
-        return obj
+        return obj if where is None or where(obj) else None
     if isinstance(obj, dict):
         obj = obj.values()
     elif not isinstance(obj, (tuple, list)):
         return None
     for x in obj:
-        t = first_tensor(x)
+        t = first_tensor(x, where)
         if t is not None:
             return t
     return None

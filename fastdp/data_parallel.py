@@ -20,8 +20,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _backend, _launch, _torch_private, _tree, engine
-from fastdp import balance as _balance  # [beyond DP] chunk sizes and shares per device
+from fastdp import _backend, _launch, _torch_private, engine
 from fastdp._accumulate import fold
 from fastdp._compiled import (
     backward_with_forward,
@@ -30,16 +29,15 @@ from fastdp._compiled import (
     untraced_forward,
 )
 from fastdp._devices import as_device, as_devices, public_id
-from fastdp._planner import StepPlan, make_plan
+from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
 from fastdp._runners import raise_first_error
 from fastdp._snapshots import module_dicts, snapshot
 from fastdp._workers import WorkerPool
 from fastdp.checkpoint import load_wrapped_state_dict
-from fastdp.criterion import Scattered
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp.replicate import replicate
-from fastdp.scatter_gather import gather, scatter_kwargs
+from fastdp.scatter_gather import Scattered, gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
@@ -151,7 +149,8 @@ class FastDataParallel(DataParallel):
         self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
         self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
         devs = self._resolve_devices(device_ids)
-        self.chunk_sizes, self.balance = _balance.check_split_args(
+        # [beyond DP] chunk sizes and shares per device
+        self.chunk_sizes, self.balance = check_split_args(
             chunk_sizes, balance, None if devs is None else len(devs)
         )
         if devs is None:
@@ -449,7 +448,7 @@ class FastDataParallel(DataParallel):
             )
         if not self._drop_warned:
             self._drop_warned = True
-            warnings.warn(message, UserWarning, stacklevel=6)
+            warnings.warn(message, UserWarning, stacklevel=7)
 
     def parallel_apply(
         self,
@@ -527,9 +526,9 @@ def _takes_plan(cls: type) -> bool:
 
 
 def _rows(inputs: Any, kwargs: Any, dim: int) -> int:
-    """A replica's rows: the size along ``dim`` of its first tensor input (1 without one)."""
-    t = _tree.first_tensor((inputs, kwargs))
-    return 1 if t is None or not t.dim() else t.size(dim)
+    """A replica's rows: its inputs' batch size (the planner's rule), 1 without one."""
+    rows = batch_size((inputs, kwargs), dim)
+    return 1 if rows is None else rows
 
 
 def _devs(ids: Sequence[Any], owner: FastDataParallel) -> list[torch.device]:
