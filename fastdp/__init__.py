@@ -3,8 +3,8 @@
 import torch  # noqa: F401  (before the extension)
 
 from fastdp._info import info
+from fastdp._state_dict import unwrap
 from fastdp._version import __version__
-from fastdp.checkpoint import unwrap
 from fastdp.criterion import ParallelCriterion
 from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.distributed import shard_batch, wrap

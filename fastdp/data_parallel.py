@@ -32,8 +32,8 @@ from fastdp._devices import as_device, as_devices, public_id
 from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
 from fastdp._runners import raise_first_error
 from fastdp._snapshots import module_dicts, snapshot
+from fastdp._state_dict import load_wrapped_state_dict
 from fastdp._workers import WorkerPool
-from fastdp.checkpoint import load_wrapped_state_dict
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp.replicate import replicate
@@ -101,7 +101,7 @@ class FastDataParallel(DataParallel):
 
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
-    ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp.checkpoint``.
+    ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp/_state_dict.py``.
     """
 
     def __init__(
