@@ -150,10 +150,10 @@ _TRIED = ("threads", "inline")  # what auto measures, by name; ties go to the fi
 
 
 class _Entry:
-    __slots__ = ("plan", "times", "choice", "steps", "trials")
+    __slots__ = ("schedule", "times", "choice", "steps", "trials")
 
     def __init__(self, warmup: int, trials: int) -> None:
-        self.plan = [None] * (warmup * 2) + list(_TRIED) * trials  # None: untimed warm-up
+        self.schedule = [None] * (warmup * 2) + list(_TRIED) * trials  # None: untimed warm-up
         self.times: dict[str, list[float]] = {s: [] for s in _TRIED}
         self.choice: str | None = None
         self.steps = 0
@@ -208,16 +208,16 @@ class Auto(Strategy):
         elif len(self.entries) > 1:
             self.entries.move_to_end(key)
         e.steps += 1
-        if e.plan:
-            n_warm = sum(1 for s in e.plan if s is None)
-            head = e.plan.pop(0)
+        if e.schedule:
+            n_warm = sum(1 for s in e.schedule if s is None)
+            head = e.schedule.pop(0)
             if head is None:  # warm-up: alternate the strategies, untimed
                 return _TRIED[n_warm % 2], False
             return head, True
         if e.steps >= self.RECHECK:
             e.steps = 0
             e.times = {s: [] for s in _TRIED}
-            e.plan = list(_TRIED) * self.TRIALS
+            e.schedule = list(_TRIED) * self.TRIALS
         return e.choice or "threads", False
 
     def record(self, key: tuple, strategy: str, seconds: float) -> None:
@@ -225,7 +225,7 @@ class Auto(Strategy):
         if e is None:
             return
         e.times[strategy].append(seconds)
-        if not e.plan:
+        if not e.schedule:
             med = {s: statistics.median(t) for s, t in e.times.items() if t}
             if len(med) == len(_TRIED):
                 e.choice = min(_TRIED, key=lambda s: med[s])  # ties: threads (DataParallel's)

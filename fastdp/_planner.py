@@ -171,21 +171,21 @@ def plan_devices(
 class StepPlan:
     """One forward's decisions, made once before the scatter and read by every stage after it."""
 
-    ctx: Any  # the torch.compile context replicas run under (None: eager)
+    compile_ctx: Any  # the torch.compile context replicas run under (None: eager)
     devices: list[torch.device]  # the devices that get rows, in replica order
-    ids: list[Any]  # their ids as the seams take them (the wrapper's own list when not custom)
+    ids: list[Any]  # their ids as the seams take them (the wrapper's own list unless custom_split)
     sizes: list[int] | None = None  # rows per device (chunk_sizes/balance); None: torch.chunk's
     batch: int | None = None  # the first input's rows, where sizes or Scattered need it
-    direct: bool = False  # the module runs itself: no accelerator, or one CPU device
-    custom: bool = False  # devices/sizes differ from the wrapper's defaults
+    unreplicated: bool = False  # the module runs itself: no accelerator, or one CPU device
+    custom_split: bool = False  # devices/sizes differ from the wrapper's defaults
     verified: Any = None  # NOTE [ One signature per step ] in fastdp/data_parallel.py
 
-    def split(self) -> dict[str, Any]:
+    def scatter_options(self) -> dict[str, Any]:
         """The scatter's keyword for the chunk sizes (none: torch.chunk's)."""
         return {} if self.sizes is None else {"chunk_sizes": self.sizes}
 
-    def rows(self, n: int) -> list[int] | None:
-        """Rows of the first ``n`` replicas (None when no tensor input fixed them)."""
+    def chunk_rows(self, n: int) -> list[int] | None:
+        """Batch rows of the first ``n`` replicas (None when no tensor input fixed them)."""
         if self.sizes is not None:
             return self.sizes[:n]
         return None if self.batch is None else chunk_sizes_for(self.batch, len(self.devices))[:n]
@@ -205,7 +205,7 @@ def make_plan(
             used, sizes = plan_devices(
                 devices, batch, wrapper.dim, wrapper.chunk_sizes, wrapper.balance
             )
-    custom = sizes is not None or len(used) != len(devices)
-    ids = [public_id(d) for d in used] if custom else wrapper.device_ids
-    direct = not devices or (len(devices) == 1 and devices[0].type == "cpu")
-    return StepPlan(ctx, used, ids, sizes, batch, direct, custom, verified)
+    custom_split = sizes is not None or len(used) != len(devices)
+    ids = [public_id(d) for d in used] if custom_split else wrapper.device_ids
+    unreplicated = not devices or (len(devices) == 1 and devices[0].type == "cpu")
+    return StepPlan(ctx, used, ids, sizes, batch, unreplicated, custom_split, verified)

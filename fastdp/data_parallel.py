@@ -204,9 +204,9 @@ class FastDataParallel(DataParallel):
         with _record_function("FastDataParallel.forward"):
             self._start_step()
             plan = self._plan(inputs, kwargs, ctx)
-            if plan.direct:
+            if plan.unreplicated:
                 return self._direct(self._module_for(ctx)(*inputs, **kwargs), plan)
-            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan.split())
+            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan.scatter_options())
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
@@ -253,7 +253,7 @@ class FastDataParallel(DataParallel):
     def _launch_step(
         self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any], kwargs: Sequence[Any]
     ) -> list[Any]:
-        on = {"devices": plan.devices[: len(inputs)]} if plan.custom else {}
+        on = {"devices": plan.devices[: len(inputs)]} if plan.custom_split else {}
         if _launch.must_run_in_order(replicas):  # NOTE [ Compiled replicas run in order ]
             with backward_with_forward():  # NOTE [ Backward compiled with the forward ]
                 return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
@@ -268,7 +268,7 @@ class FastDataParallel(DataParallel):
     ) -> Any:
         if not self.gather_output:  # [beyond DP]
             n = len(outputs)
-            return Scattered(outputs, plan.rows(n), plan.devices[:n], self.dim, self._output)
+            return Scattered(outputs, plan.chunk_rows(n), plan.devices[:n], self.dim, self._output)
         if self.scalar_outputs == "stack":
             return self.gather(outputs, self.output_device)
         rows = [_rows(i, k, self.dim) for i, k in zip(inputs, kwargs)]
@@ -403,7 +403,9 @@ class FastDataParallel(DataParallel):
         devs = _devs(device_ids, self)
         if not self.persistent or module is not self.module:
             return replicate(module, devs, not torch.is_grad_enabled())
-        ctx, verified = (self._compile_ctx, None) if plan is None else (plan.ctx, plan.verified)
+        ctx, verified = (
+            (self._compile_ctx, None) if plan is None else (plan.compile_ctx, plan.verified)
+        )
         key = tuple(devs) if ctx is None else (*devs, ctx)  # NOTE [ Compiling the wrapper ]
         sets = self._replica_sets
         rs = sets.pop(key, None)  # back in last: the sets are kept least recently used first

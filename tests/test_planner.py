@@ -73,8 +73,8 @@ def test_default_plan_uses_the_wrappers_own_ids_and_torch_chunk():
 
     fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 3)
     plan = _plan(fdp, torch.randn(10, 3))
-    assert plan.ids is fdp.device_ids and not plan.custom and not plan.direct
-    assert plan.sizes is None and plan.batch is None and plan.rows(3) is None
+    assert plan.ids is fdp.device_ids and not plan.custom_split and not plan.unreplicated
+    assert plan.sizes is None and plan.batch is None and plan.chunk_rows(3) is None
 
 
 def test_chunk_sizes_drop_zero_row_devices_and_give_rows():
@@ -82,8 +82,10 @@ def test_chunk_sizes_drop_zero_row_devices_and_give_rows():
 
     fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 3, chunk_sizes=[6, 0, 4])
     plan = _plan(fdp, torch.randn(10, 3))
-    assert plan.custom and plan.sizes == [6, 4] and len(plan.devices) == 2
-    assert plan.ids == [torch.device("cpu")] * 2 and plan.rows(2) == [6, 4] and plan.batch == 10
+    assert plan.custom_split and plan.sizes == [6, 4] and len(plan.devices) == 2
+    assert (
+        plan.ids == [torch.device("cpu")] * 2 and plan.chunk_rows(2) == [6, 4] and plan.batch == 10
+    )
 
 
 def test_scattered_outputs_plan_torch_chunk_rows_of_the_first_input():
@@ -91,17 +93,19 @@ def test_scattered_outputs_plan_torch_chunk_rows_of_the_first_input():
 
     fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 4, gather_output=False)
     plan = _plan(fdp, {"x": torch.randn(10, 3)})
-    assert not plan.custom and plan.batch == 10 and plan.rows(4) == [3, 3, 3, 1]
+    assert not plan.custom_split and plan.batch == 10 and plan.chunk_rows(4) == [3, 3, 3, 1]
 
 
 def test_one_cpu_device_and_no_devices_run_the_module_directly():
     import fastdp
 
     one = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"])
-    assert _plan(one, torch.randn(4, 3)).direct
+    assert _plan(one, torch.randn(4, 3)).unreplicated
     none = fastdp.FastDataParallel(torch.nn.Linear(3, 2), [])  # no CUDA here: pass-through
     if not torch.cuda.is_available():
-        assert _plan(none, torch.randn(4, 3)).direct and _plan(none, torch.randn(4, 3)).ids == []
+        assert (
+            _plan(none, torch.randn(4, 3)).unreplicated and _plan(none, torch.randn(4, 3)).ids == []
+        )
 
 
 # The batch-size rule: one function for the plan, the gathered mean's weights and shard_batch.
