@@ -94,7 +94,7 @@ def _plan_rows(
         for i in lost:
             leaves[i] = leaves[i].narrow(dims[i], 0, sum(plan[i]))
         if spec is None:
-            spec = ("tu", tuple, tuple(("t", i) for i in range(len(leaves))))
+            spec = ("tuple", tuple, tuple(("tensor", i) for i in range(len(leaves))))
         (on_drop or warn_dropped)(_drop_message(spec, sizes, plan, lost, with_kwargs))
     return plan
 
@@ -236,7 +236,7 @@ def scatter(
 
 def _head(spec: tuple) -> Any:
     """What a container node must share across replicas besides its children: type and keys."""
-    return (type(spec[1]), spec[2]) if spec[0] == "dc" else spec[1:-1]
+    return (type(spec[1]), spec[2]) if spec[0] == "dataclass" else spec[1:-1]
 
 
 def _same_structure(specs: list[tuple], path: str = "output") -> None:
@@ -244,18 +244,18 @@ def _same_structure(specs: list[tuple], path: str = "output") -> None:
     a = specs[0]
     for b in specs[1:]:
         if a[0] != b[0]:
-            if "t" in (a[0], b[0]):
+            if "tensor" in (a[0], b[0]):
                 raise TypeError(
                     f"fastdp: replicas returned a tensor in some replicas and not others ({path})"
                 )
             raise ValueError(f"fastdp: replicas returned different types at {path}")
-        if a[0] == "di" and len(a[2]) != len(b[2]):
+        if a[0] == "dict" and len(a[2]) != len(b[2]):
             raise ValueError("All dicts must have the same number of keys")
-        if a[0] not in ("t", "ob") and (_head(a) != _head(b) or len(a[-1]) != len(b[-1])):
+        if a[0] not in ("tensor", "object") and (_head(a) != _head(b) or len(a[-1]) != len(b[-1])):
             raise ValueError(f"fastdp: replicas returned different containers at {path}")
-    if a[0] in ("t", "ob"):
+    if a[0] in ("tensor", "object"):
         return
-    names = a[2] if a[0] in ("di", "dc") else range(len(a[-1]))
+    names = a[2] if a[0] in ("dict", "dataclass") else range(len(a[-1]))
     for k, name in enumerate(names):
         _same_structure([s[-1][k] for s in specs], f"{path}[{name!r}]")
 
