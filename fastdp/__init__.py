@@ -3,12 +3,13 @@
 import torch  # noqa: F401  (before the extension)
 
 from fastdp._info import info
+from fastdp._state_dict import unwrap
 from fastdp._version import __version__
-from fastdp.checkpoint import unwrap
-from fastdp.criterion import ParallelCriterion, Scattered
+from fastdp.criterion import ParallelCriterion
 from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.distributed import shard_batch, wrap
 from fastdp.install import install, installed, uninstall
+from fastdp.scatter_gather import Scattered
 
 __all__ = [
     "FastDataParallel",

@@ -1,4 +1,4 @@
-"""Device normalisation shared by the wrapper, replicate and parallel_apply.
+"""Device normalisation shared by the wrapper, replicate and the launch.
 
 Internally every device is a ``torch.device`` with an explicit index for CUDA; the public
 attributes of FastDataParallel keep DataParallel's form (ints for CUDA ids) so user code reading
@@ -46,9 +46,3 @@ def as_devices(xs: Sequence[Any]) -> list[torch.device]:
 def public_id(dev: torch.device) -> int | torch.device:
     """DataParallel's public form: the CUDA index as an int, the CPU as torch.device('cpu')."""
     return dev.index if dev.type == "cuda" else dev
-
-
-def all_distinct_cuda(devices: Sequence[torch.device]) -> bool:
-    return all(d.type == "cuda" for d in devices) and len({d.index for d in devices}) == len(
-        devices
-    )

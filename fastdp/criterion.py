@@ -1,6 +1,7 @@
-"""Loss next to each output shard: ``Scattered`` outputs and ``ParallelCriterion``.
+"""Loss next to each output shard: ``ParallelCriterion``.
 
-``FastDataParallel(..., gather_output=False)`` returns a :class:`Scattered` instead of gathering;
+``FastDataParallel(..., gather_output=False)`` returns a :class:`Scattered` (defined with gather in
+``fastdp/scatter_gather.py``, re-exported here) instead of gathering;
 ``ParallelCriterion(loss_fn)(scattered, *targets)`` scatters the targets with the same chunk sizes
 onto the replicas' devices, runs ``loss_fn`` on every replica's device in parallel (the threads and
 state propagation of ``fastdp.parallel_apply``) and combines the per-replica losses on the output
@@ -10,7 +11,7 @@ the mean weighted by chunk sizes so it equals the whole-batch loss).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,60 +20,11 @@ from torch.nn import Module
 from fastdp import _tree
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
-from fastdp.scatter_gather import gather, scatter_kwargs
+from fastdp.scatter_gather import Scattered, scatter_kwargs
 
 __all__ = ["Scattered", "ParallelCriterion"]
 
 _REDUCTIONS = ("mean", "sum", "batchmean", "none")
-
-
-class Scattered:
-    """Per-replica outputs of a forward that was not gathered.
-
-    Attributes:
-        outputs: replica ``r``'s output (any structure the module returns), on ``devices[r]``.
-        chunk_sizes: the rows of the input each replica got, or None when the inputs held no
-            tensor to split.
-        devices: the replicas' devices, in gather order.
-        dim: the scatter/gather dimension.
-        output_device: where ``gather()`` puts the result; None when the forward would not have
-            gathered (one device: the module's output is returned as is).
-    """
-
-    __slots__ = ("outputs", "chunk_sizes", "devices", "dim", "output_device")
-
-    def __init__(
-        self,
-        outputs: Sequence[Any],
-        chunk_sizes: Sequence[int] | None,
-        devices: Sequence[torch.device | None],
-        dim: int = 0,
-        output_device: torch.device | None = None,
-    ) -> None:
-        self.outputs = list(outputs)
-        self.chunk_sizes = None if chunk_sizes is None else list(chunk_sizes)
-        self.devices = list(devices)
-        self.dim = dim
-        self.output_device = output_device
-
-    def gather(self) -> Any:
-        """Exactly what the gathered forward returns (``fastdp.scatter_gather.gather``)."""
-        if self.output_device is None:
-            return self.outputs[0]
-        return gather(self.outputs, self.output_device, self.dim)
-
-    def __len__(self) -> int:
-        return len(self.outputs)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.outputs)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.outputs[i]
-
-    def __repr__(self) -> str:
-        devs = [str(d) for d in self.devices]
-        return f"Scattered(replicas={len(self)}, chunk_sizes={self.chunk_sizes}, devices={devs})"
 
 
 def _check_rows(targets: tuple, sizes: list[int] | None, dim: int) -> None:

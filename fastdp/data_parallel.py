@@ -20,8 +20,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _backend, _torch_private, _tree, engine, strategies
-from fastdp import balance as _balance  # [beyond DP] chunk sizes and shares per device
+from fastdp import _backend, _launch, _torch_private, engine
 from fastdp._accumulate import fold
 from fastdp._compiled import (
     backward_with_forward,
@@ -30,19 +29,15 @@ from fastdp._compiled import (
     untraced_forward,
 )
 from fastdp._devices import as_device, as_devices, public_id
-from fastdp._planner import StepPlan, make_plan
+from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
+from fastdp._runners import raise_first_error
 from fastdp._snapshots import module_dicts, snapshot
+from fastdp._state_dict import load_wrapped_state_dict
 from fastdp._workers import WorkerPool
-from fastdp.checkpoint import load_wrapped_state_dict
-from fastdp.criterion import Scattered
-from fastdp.parallel_apply import (
-    must_run_concurrently,
-    parallel_apply,
-    raise_first_error,
-)
+from fastdp.parallel_apply import parallel_apply
 from fastdp.replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp.replicate import replicate
-from fastdp.scatter_gather import gather, scatter_kwargs
+from fastdp.scatter_gather import Scattered, gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
@@ -90,7 +85,7 @@ class FastDataParallel(DataParallel):
         launch: keyword-only; how replicas run: ``"threads"`` (one worker thread each),
             ``"inline"`` (in turn on the caller's thread) or ``"auto"`` (measure both, keep the
             faster). Default ``FASTDP_LAUNCH``, else ``"auto"``; see NOTE [ Launch strategies ]
-            in ``fastdp/strategies.py``. ``launch_report()`` shows what ``auto`` picked.
+            in ``fastdp/_launch.py``. ``launch_report()`` shows what ``auto`` picked.
         bucket_cap_mb: keyword-only; the size of the buckets replicas are refreshed and
             gradients reduced in (DDP's default 25; the first bucket at most 1 MiB). See
             NOTE [ Buckets ] in ``fastdp/engine.py``; ``comm_stats()`` counts the calls.
@@ -106,7 +101,7 @@ class FastDataParallel(DataParallel):
 
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
-    ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp.checkpoint``.
+    ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp/_state_dict.py``.
     """
 
     def __init__(
@@ -143,7 +138,7 @@ class FastDataParallel(DataParallel):
         self._comm = engine.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple | None = None  # NOTE [ One signature per step ]
-        self.strategy = strategies.make(launch)  # NOTE [ Launch strategies ]
+        self.strategy = _launch.make(launch)  # NOTE [ Launch strategies ]
         self._last: dict[str, str | None] = {"launch": None}  # see last_launch
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
@@ -154,7 +149,8 @@ class FastDataParallel(DataParallel):
         self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
         self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
         devs = self._resolve_devices(device_ids)
-        self.chunk_sizes, self.balance = _balance.check_split_args(
+        # [beyond DP] chunk sizes and shares per device
+        self.chunk_sizes, self.balance = check_split_args(
             chunk_sizes, balance, None if devs is None else len(devs)
         )
         if devs is None:
@@ -208,9 +204,9 @@ class FastDataParallel(DataParallel):
         with _record_function("FastDataParallel.forward"):
             self._start_step()
             plan = self._plan(inputs, kwargs, ctx)
-            if plan.direct:
+            if plan.unreplicated:
                 return self._direct(self._module_for(ctx)(*inputs, **kwargs), plan)
-            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan.split())
+            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan.scatter_options())
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
@@ -257,11 +253,11 @@ class FastDataParallel(DataParallel):
     def _launch_step(
         self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any], kwargs: Sequence[Any]
     ) -> list[Any]:
-        on = {"devices": plan.devices[: len(inputs)]} if plan.custom else {}
-        rs = getattr(replicas, "replica_set", None)
-        if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
+        on = {"devices": plan.devices[: len(inputs)]} if plan.custom_split else {}
+        if _launch.must_run_in_order(replicas):  # NOTE [ Compiled replicas run in order ]
             with backward_with_forward():  # NOTE [ Backward compiled with the forward ]
                 return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
+        rs = getattr(replicas, "replica_set", None)
         if rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
             return self.parallel_apply(replicas, inputs, kwargs, **on)
         with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
@@ -272,7 +268,7 @@ class FastDataParallel(DataParallel):
     ) -> Any:
         if not self.gather_output:  # [beyond DP]
             n = len(outputs)
-            return Scattered(outputs, plan.rows(n), plan.devices[:n], self.dim, self._output)
+            return Scattered(outputs, plan.chunk_rows(n), plan.devices[:n], self.dim, self._output)
         if self.scalar_outputs == "stack":
             return self.gather(outputs, self.output_device)
         rows = [_rows(i, k, self.dim) for i, k in zip(inputs, kwargs)]
@@ -407,7 +403,9 @@ class FastDataParallel(DataParallel):
         devs = _devs(device_ids, self)
         if not self.persistent or module is not self.module:
             return replicate(module, devs, not torch.is_grad_enabled())
-        ctx, verified = (self._compile_ctx, None) if plan is None else (plan.ctx, plan.verified)
+        ctx, verified = (
+            (self._compile_ctx, None) if plan is None else (plan.compile_ctx, plan.verified)
+        )
         key = tuple(devs) if ctx is None else (*devs, ctx)  # NOTE [ Compiling the wrapper ]
         sets = self._replica_sets
         rs = sets.pop(key, None)  # back in last: the sets are kept least recently used first
@@ -452,7 +450,7 @@ class FastDataParallel(DataParallel):
             )
         if not self._drop_warned:
             self._drop_warned = True
-            warnings.warn(message, UserWarning, stacklevel=6)
+            warnings.warn(message, UserWarning, stacklevel=7)
 
     def parallel_apply(
         self,
@@ -469,9 +467,8 @@ class FastDataParallel(DataParallel):
             devices = self._devices[: len(replicas)]
         strategy = self.strategy
         if launch is not None and launch != strategy.name:
-            strategy = strategies.make(launch)
-        if must_run_concurrently(replicas):
-            strategy = strategies.THREADS  # see NOTE [ Replicas that must run at once ]
+            strategy = _launch.make(launch)
+        strategy = _launch.for_replicas(strategy, replicas)  # NOTE [ ... run at once ]
         if not self.persistent or len(replicas) < 2:
             name = "threads" if strategy.name == "auto" else strategy.name
             self._last["launch"] = name
@@ -499,7 +496,7 @@ class FastDataParallel(DataParallel):
 
     @launch.setter
     def launch(self, value: str | None) -> None:
-        self.strategy = strategies.make(value)
+        self.strategy = _launch.make(value)
 
     def launch_report(self) -> list[dict[str, Any]]:
         """What ``launch="auto"`` measured and chose, one record per (devices, inputs, grad):
@@ -531,9 +528,9 @@ def _takes_plan(cls: type) -> bool:
 
 
 def _rows(inputs: Any, kwargs: Any, dim: int) -> int:
-    """A replica's rows: the size along ``dim`` of its first tensor input (1 without one)."""
-    t = _tree.first_tensor((inputs, kwargs))
-    return 1 if t is None or not t.dim() else t.size(dim)
+    """A replica's rows: its inputs' batch size (the planner's rule), 1 without one."""
+    rows = batch_size((inputs, kwargs), dim)
+    return 1 if rows is None else rows
 
 
 def _devs(ids: Sequence[Any], owner: FastDataParallel) -> list[torch.device]:

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastdp import _tree
 from fastdp._devices import as_device
-from fastdp._planner import chunk_sizes_for
+from fastdp._planner import batch_size, chunk_sizes_for
 from fastdp.data_parallel import FastDataParallel
 
 __all__ = ["wrap", "shard_batch"]
@@ -114,11 +114,11 @@ def _warn_uneven(obj: Any, world: int, dim: int) -> None:
     global _warned_uneven
     if _warned_uneven:
         return
-    leaf = _tree.first_tensor(obj)
-    if leaf is not None and leaf.size(dim) % world:
+    rows = batch_size(obj, dim)
+    if rows is not None and rows % world:
         _warned_uneven = True
         warnings.warn(
-            f"fastdp.shard_batch: a batch of {leaf.size(dim)} does not split evenly over {world} "
+            f"fastdp.shard_batch: a batch of {rows} does not split evenly over {world} "
             "ranks; DDP averages the ranks' gradients with equal weights, so a mean loss no "
             "longer equals the whole-batch mean (use a divisible batch or drop_last=True)",
             stacklevel=3,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from fastdp._devices import as_device
 from fastdp._functions import Gather, Scatter, vector_if_scalars
 from fastdp._planner import chunk_sizes_for, dropped, plan_chunks
 
-__all__ = ["scatter", "scatter_kwargs", "gather"]
+__all__ = ["scatter", "scatter_kwargs", "gather", "Scattered"]
 
 
 def scatter_plan(
@@ -38,7 +38,6 @@ def scatter_plan(
     """Flatten ``obj`` once and plan its chunks: (spec, leaves, per-leaf dims, plan). Leaves
     that lose rows are narrowed to the rows that go to replicas, and ``on_drop`` (default: a
     warning) hears which (NOTE [ DataParallel's chunking ])."""
-    on_drop = on_drop or warn_dropped
     leaves: list[torch.Tensor] = []
     spec = _tree.flatten(obj, leaves)
     dims = []
@@ -53,12 +52,7 @@ def scatter_plan(
                 f"Dimension out of range (expected to be in range of [{-t.dim()}, {t.dim() - 1}], "
                 f"but got {dim})"
             )
-    sizes = [t.size(d) for t, d in zip(leaves, dims)]
-    plan = plan_chunks(sizes, len(devices), chunk_sizes)
-    lost = dropped(sizes, plan)
-    if lost:
-        _narrow(leaves, dims, plan, lost)
-        on_drop(_drop_message(spec, sizes, plan, lost, with_kwargs))
+    plan = _plan_rows(leaves, dims, len(devices), chunk_sizes, on_drop, spec, with_kwargs)
     return spec, leaves, dims, plan
 
 
@@ -77,12 +71,32 @@ def _unsplittable(t: torch.Tensor, path: str) -> str:
 
 def warn_dropped(message: str) -> None:
     """The default for rows dropped as DataParallel drops them: a ``UserWarning``."""
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(message, UserWarning, stacklevel=5)
 
 
-def _narrow(leaves: list, dims: list[int], plan: list[list[int]], lost: list[int]) -> None:
-    for i in lost:  # the rows that go to replicas (views: the rest get no gradient)
-        leaves[i] = leaves[i].narrow(dims[i], 0, sum(plan[i]))
+def _plan_rows(
+    leaves: list[torch.Tensor],
+    dims: list[int],
+    n: int,
+    chunk_sizes: Sequence[int] | None,
+    on_drop: OnDrop | None,
+    spec: tuple | None = None,
+    with_kwargs: bool = False,
+) -> list[list[int]]:
+    """DataParallel's truncation, the one place it is written: the plan of ``leaves`` over ``n``
+    devices; leaves that lose rows are narrowed in place to the rows that go to replicas (views:
+    the rest get no gradient) and ``on_drop`` (default: a warning) hears which. ``spec``: the
+    leaves' tree, for the message (None: positional tensors)."""
+    sizes = [t.size(d) for t, d in zip(leaves, dims)]
+    plan = plan_chunks(sizes, n, chunk_sizes)
+    lost = dropped(sizes, plan)
+    if lost:
+        for i in lost:
+            leaves[i] = leaves[i].narrow(dims[i], 0, sum(plan[i]))
+        if spec is None:
+            spec = ("tuple", tuple, tuple(("tensor", i) for i in range(len(leaves))))
+        (on_drop or warn_dropped)(_drop_message(spec, sizes, plan, lost, with_kwargs))
+    return plan
 
 
 def leaf_paths(spec: tuple, with_kwargs: bool) -> dict[int, str]:
@@ -151,14 +165,8 @@ def _split_tensors(
     if chunk_sizes is None and len(inputs) == 1:  # the commonest call: one batch tensor
         plan = [_chunk_sizes(inputs[0].size(dims[0]), len(devices))]
     else:
-        sizes = [t.size(d) for t, d in zip(inputs, dims)]
-        plan = plan_chunks(sizes, len(devices), chunk_sizes)
-        lost = dropped(sizes, plan)
-        if lost:
-            inputs = list(inputs)
-            _narrow(inputs, dims, plan, lost)
-            spec = ("tu", tuple, tuple(("t", i) for i in range(len(inputs))))
-            (on_drop or warn_dropped)(_drop_message(spec, sizes, plan, lost))
+        inputs = list(inputs)
+        plan = _plan_rows(inputs, dims, len(devices), chunk_sizes, on_drop)
     chunks = [t.split_with_sizes(p, d) for t, p, d in zip(inputs, plan, dims)]
     k = len(plan[0])
     return tuple(tuple(c[r] for c in chunks) for r in range(k)), ({},) * k
@@ -228,7 +236,7 @@ def scatter(
 
 def _head(spec: tuple) -> Any:
     """What a container node must share across replicas besides its children: type and keys."""
-    return (type(spec[1]), spec[2]) if spec[0] == "dc" else spec[1:-1]
+    return (type(spec[1]), spec[2]) if spec[0] == "dataclass" else spec[1:-1]
 
 
 def _same_structure(specs: list[tuple], path: str = "output") -> None:
@@ -236,18 +244,18 @@ def _same_structure(specs: list[tuple], path: str = "output") -> None:
     a = specs[0]
     for b in specs[1:]:
         if a[0] != b[0]:
-            if "t" in (a[0], b[0]):
+            if "tensor" in (a[0], b[0]):
                 raise TypeError(
                     f"fastdp: replicas returned a tensor in some replicas and not others ({path})"
                 )
             raise ValueError(f"fastdp: replicas returned different types at {path}")
-        if a[0] == "di" and len(a[2]) != len(b[2]):
+        if a[0] == "dict" and len(a[2]) != len(b[2]):
             raise ValueError("All dicts must have the same number of keys")
-        if a[0] not in ("t", "ob") and (_head(a) != _head(b) or len(a[-1]) != len(b[-1])):
+        if a[0] not in ("tensor", "object") and (_head(a) != _head(b) or len(a[-1]) != len(b[-1])):
             raise ValueError(f"fastdp: replicas returned different containers at {path}")
-    if a[0] in ("t", "ob"):
+    if a[0] in ("tensor", "object"):
         return
-    names = a[2] if a[0] in ("di", "dc") else range(len(a[-1]))
+    names = a[2] if a[0] in ("dict", "dataclass") else range(len(a[-1]))
     for k, name in enumerate(names):
         _same_structure([s[-1][k] for s in specs], f"{path}[{name!r}]")
 
@@ -319,3 +327,52 @@ def _combine(
         w = torch.tensor(list(weights), dtype=values.dtype, device=target)
         out = (values * w).sum() / w.sum()
     return out.reshape(parts[0].shape)
+
+
+class Scattered:
+    """Per-replica outputs of a forward that was not gathered.
+
+    Attributes:
+        outputs: replica ``r``'s output (any structure the module returns), on ``devices[r]``.
+        chunk_sizes: the rows of the input each replica got, or None when the inputs held no
+            tensor to split.
+        devices: the replicas' devices, in gather order.
+        dim: the scatter/gather dimension.
+        output_device: where ``gather()`` puts the result; None when the forward would not have
+            gathered (one device: the module's output is returned as is).
+    """
+
+    __slots__ = ("outputs", "chunk_sizes", "devices", "dim", "output_device")
+
+    def __init__(
+        self,
+        outputs: Sequence[Any],
+        chunk_sizes: Sequence[int] | None,
+        devices: Sequence[torch.device | None],
+        dim: int = 0,
+        output_device: torch.device | None = None,
+    ) -> None:
+        self.outputs = list(outputs)
+        self.chunk_sizes = None if chunk_sizes is None else list(chunk_sizes)
+        self.devices = list(devices)
+        self.dim = dim
+        self.output_device = output_device
+
+    def gather(self) -> Any:
+        """Exactly what the gathered forward returns (``gather``)."""
+        if self.output_device is None:
+            return self.outputs[0]
+        return gather(self.outputs, self.output_device, self.dim)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.outputs)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.outputs[i]
+
+    def __repr__(self) -> str:
+        devs = [str(d) for d in self.devices]
+        return f"Scattered(replicas={len(self)}, chunk_sizes={self.chunk_sizes}, devices={devs})"

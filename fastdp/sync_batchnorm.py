@@ -34,7 +34,8 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn import Module, SyncBatchNorm
 
-from fastdp.parallel_apply import ReplicaAborted, require_concurrent
+from fastdp._launch import run_together
+from fastdp._runners import ReplicaAborted
 
 __all__ = ["CallbackContext", "prepare_replicas"]
 
@@ -320,7 +321,7 @@ class _Prepared:
     ) -> None:
         self.installed = installed
         self.concurrent = list(concurrent)
-        require_concurrent(self.concurrent)  # see NOTE [ Replicas that must run at once ]
+        run_together(self.concurrent)  # NOTE [ Replicas that must run at once ] in _launch.py
 
     def __enter__(self) -> _Prepared:
         return self
@@ -332,7 +333,7 @@ class _Prepared:
             else:
                 module.__dict__["forward"] = fwd.inner
         self.installed = []
-        require_concurrent(self.concurrent, on=False)
+        run_together(self.concurrent, on=False)
         self.concurrent = []
 
 

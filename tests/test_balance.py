@@ -8,7 +8,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import fastdp
-from fastdp.balance import balanced_chunk_sizes
+from fastdp._planner import balanced_chunk_sizes
 from fastdp.testing import device_of, replica_ids, withCUDA
 
 

@@ -176,7 +176,7 @@ def test_criterion_never_gathers_the_output(monkeypatch):
         pytest.fail("the criterion gathered the output")
 
     monkeypatch.setattr(fastdp.Scattered, "gather", fail)
-    monkeypatch.setattr(fastdp.criterion, "gather", fail)
+    monkeypatch.setattr(fastdp.scatter_gather, "gather", fail)
     monkeypatch.setattr(_functions.Gather, "forward", staticmethod(fail))
     loss = fastdp.ParallelCriterion(loss_fn)(out, y)
     assert len(seen) == 3 and all(a is b for a, b in zip(seen, out.outputs))

@@ -1,4 +1,4 @@
-"""Launch strategies (NOTE [ Launch strategies ] in fastdp/strategies.py) and the caller's streams.
+"""Launch strategies (NOTE [ Launch strategies ] in fastdp/_launch.py) and the caller's streams.
 
 The end-to-end suites run under each strategy (NOTE [ Tests under each launch strategy ]); this
 file tests what is specific to choosing one: the keyword and FASTDP_LAUNCH, the rule that forces
@@ -18,8 +18,8 @@ from torch.testing import assert_close
 
 import fastdp.replica_set as replica_set
 from fastdp import FastDataParallel
+from fastdp._launch import Auto
 from fastdp.parallel_apply import parallel_apply
-from fastdp.strategies import Auto
 from fastdp.testing import onlyCUDA
 
 CPU3 = ["cpu"] * 3
@@ -261,25 +261,25 @@ def test_one_tensor_signature_per_steady_step(monkeypatch):
 
 
 def test_a_new_strategy_is_one_class(monkeypatch):
-    """Strategies are objects chosen in one place (fastdp/strategies.py): this one runs the
+    """Strategies are objects chosen in one place (fastdp/_launch.py): this one runs the
     replicas last to first on the caller's thread and needs nothing else."""
-    from fastdp import strategies
+    from fastdp import _launch
 
     order = []
 
-    class LastFirst(strategies.Strategy):
+    class LastFirst(_launch.Strategy):
         name = "last-first"
 
         def run(self, modules, inputs, kwargs, devices, pool=None):
             out = [None] * len(modules)
             for i in reversed(range(len(modules))):
                 order.append(i)
-                out[i] = strategies.INLINE.run(
+                out[i] = _launch.INLINE.run(
                     modules[i : i + 1], inputs[i : i + 1], kwargs[i : i + 1], devices[i : i + 1]
                 )[0]
             return out
 
-    monkeypatch.setitem(strategies._STRATEGIES, "last-first", LastFirst)
+    monkeypatch.setitem(_launch._STRATEGIES, "last-first", LastFirst)
     m = nn.Linear(4, 2)
     fdp = FastDataParallel(m, device_ids=CPU3, launch="last-first")
     x = torch.randn(6, 4)

@@ -142,3 +142,21 @@ def test_pageable_scatter_windows_keep_two_in_flight(total: int) -> None:
         assert MiB <= window <= 4 * MiB and -(-total // window) >= 2
     assert ext._scatter_window(total, 0) == 0  # staging off: the caller copies unstaged
     assert ext._scatter_window(total, 2 * MiB) <= MiB
+
+
+def test_pinned_pool_events_are_not_move_assigned() -> None:
+    """erase(remove_if(...)) over a std::vector of CUDAEvents move-assigns the survivors, and
+    c10's CUDAEvent move-assignment overwrites the target's event without destroying it: one
+    leaked cudaEvent per completed copy. The leak is invisible to the pool's counters (and no GPU
+    is here), so this pins the container: a std::list, whose remove_if destroys in place."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    core = re.sub(r"//[^\n]*", "", (root / "pinned_pool_core.h").read_text())
+    cuda = re.sub(r"//[^\n]*", "", (root / "cuda/pinned_pool.cpp").read_text())
+    assert re.search(r"std::list<Event>\s+events", core)
+    assert re.search(r"PoolBlock<at::cuda::CUDAEvent>", (root / "cuda/pinned_pool.h").read_text())
+    for code in (core, cuda):
+        assert not re.search(r"std::vector<\s*((at|c10)::cuda::CUDA)?Event\b", code)
+    assert ".erase(" not in core.split("bool idle(")[1].split("}")[0]

@@ -73,8 +73,8 @@ def test_default_plan_uses_the_wrappers_own_ids_and_torch_chunk():
 
     fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 3)
     plan = _plan(fdp, torch.randn(10, 3))
-    assert plan.ids is fdp.device_ids and not plan.custom and not plan.direct
-    assert plan.sizes is None and plan.batch is None and plan.rows(3) is None
+    assert plan.ids is fdp.device_ids and not plan.custom_split and not plan.unreplicated
+    assert plan.sizes is None and plan.batch is None and plan.chunk_rows(3) is None
 
 
 def test_chunk_sizes_drop_zero_row_devices_and_give_rows():
@@ -82,8 +82,10 @@ def test_chunk_sizes_drop_zero_row_devices_and_give_rows():
 
     fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 3, chunk_sizes=[6, 0, 4])
     plan = _plan(fdp, torch.randn(10, 3))
-    assert plan.custom and plan.sizes == [6, 4] and len(plan.devices) == 2
-    assert plan.ids == [torch.device("cpu")] * 2 and plan.rows(2) == [6, 4] and plan.batch == 10
+    assert plan.custom_split and plan.sizes == [6, 4] and len(plan.devices) == 2
+    assert (
+        plan.ids == [torch.device("cpu")] * 2 and plan.chunk_rows(2) == [6, 4] and plan.batch == 10
+    )
 
 
 def test_scattered_outputs_plan_torch_chunk_rows_of_the_first_input():
@@ -91,14 +93,48 @@ def test_scattered_outputs_plan_torch_chunk_rows_of_the_first_input():
 
     fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 4, gather_output=False)
     plan = _plan(fdp, {"x": torch.randn(10, 3)})
-    assert not plan.custom and plan.batch == 10 and plan.rows(4) == [3, 3, 3, 1]
+    assert not plan.custom_split and plan.batch == 10 and plan.chunk_rows(4) == [3, 3, 3, 1]
 
 
 def test_one_cpu_device_and_no_devices_run_the_module_directly():
     import fastdp
 
     one = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"])
-    assert _plan(one, torch.randn(4, 3)).direct
+    assert _plan(one, torch.randn(4, 3)).unreplicated
     none = fastdp.FastDataParallel(torch.nn.Linear(3, 2), [])  # no CUDA here: pass-through
     if not torch.cuda.is_available():
-        assert _plan(none, torch.randn(4, 3)).direct and _plan(none, torch.randn(4, 3)).ids == []
+        assert (
+            _plan(none, torch.randn(4, 3)).unreplicated and _plan(none, torch.randn(4, 3)).ids == []
+        )
+
+
+# The batch-size rule: one function for the plan, the gathered mean's weights and shard_batch.
+def test_batch_size_skips_leaves_without_the_dim():
+    from fastdp._planner import batch_size
+
+    scale, x = torch.tensor(2.0), torch.ones(5, 3)
+    assert batch_size(((scale, x), {}), 0) == 5  # a 0-dim leaf has no batch dim: skipped
+    assert batch_size(((scale,), {"x": x}), 1) == 3
+    assert batch_size(((torch.ones(4),), {"x": x}), 1) == 3  # a 1-dim leaf has no dim 1
+    assert batch_size(((scale,), {}), 0) is None
+    assert batch_size(((torch.ones(0, 2),), {}), 0) == 0
+
+
+def test_gathered_mean_weights_rows_past_a_zero_dim_first_input():
+    """A scatter override that hands every replica a 0-dim scale before its chunk: the scalar
+    outputs' mean is still weighted by each replica's rows (the batch-size rule), so it equals
+    the whole batch's mean."""
+    import fastdp
+
+    class ScaleFirst(fastdp.FastDataParallel):
+        def scatter(self, inputs, kwargs, device_ids, chunk_sizes=None):
+            ins, kws = super().scatter(inputs[1:], kwargs, device_ids, chunk_sizes)
+            return tuple((inputs[0], *i) for i in ins), kws
+
+    class Loss(torch.nn.Module):
+        def forward(self, scale, x):
+            return (x * scale).mean()
+
+    x = torch.arange(5.0).unsqueeze(1)
+    fdp = ScaleFirst(Loss(), ["cpu"] * 2, scalar_outputs="mean")
+    torch.testing.assert_close(fdp(torch.tensor(2.0), x), (x * 2).mean())

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 import fastdp
 from fastdp import sync_batchnorm
+from fastdp._launch import must_run_together
 from fastdp.testing import replica_ids, withCUDA
 
 
@@ -254,7 +255,9 @@ def test_prepared_replicas_are_restored_after_the_step():
     replicas = fastdp.replicate.replicate(sync, ["cpu"] * 2)
     with sync_batchnorm.prepare_replicas(replicas):
         assert isinstance(replicas[0][1].__dict__["forward"], sync_batchnorm._Forward)
+        assert must_run_together(replicas)  # asked of the replicas, not of a registry
     assert all("forward" not in m.__dict__ for r in replicas for m in r.modules())
+    assert not must_run_together(replicas)
 
 
 def test_persistent_replicas_are_reused_and_left_clean():

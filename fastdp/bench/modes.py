@@ -182,7 +182,7 @@ def settle(call: Callable, step: Callable[[], None]) -> None:
     report = getattr(call, "launch_report", None)
     if report is None or getattr(call, "launch", None) != "auto":
         return
-    from fastdp.strategies import Auto
+    from fastdp._launch import Auto
 
     for _ in range(4 + 2 * (Auto.WARMUP + Auto.TRIALS)):
         if report() and all(r["choice"] for r in report()):

@@ -3,7 +3,7 @@ floor (NOTE [ Plots a person reads ] in ``fastdp/bench/plots.py``)."""
 
 from __future__ import annotations
 
-from fastdp.bench.plots import (
+from fastdp.bench.plot_style import (
     BAR_IN,
     COLORS,
     HEADLINE_MODES,

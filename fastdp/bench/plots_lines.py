@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from fastdp.bench.plots import (
+from fastdp.bench.plot_style import (
     COLORS,
     LABELS,
     MARKERS,

@@ -1,4 +1,4 @@
-"""Checkpoint interop: ``unwrap``, and ``load_state_dict`` taking ``module.``-prefixed or bare keys.
+"""State-dict interop: ``unwrap``, and ``load_state_dict`` taking ``module.``-prefixed or bare keys.
 
 Bare keys (the plain module's names) are the interchange format:
 ``fastdp.unwrap(model).state_dict()`` saves them from FastDataParallel, ``nn.DataParallel`` and DDP

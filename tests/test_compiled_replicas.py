@@ -1,11 +1,12 @@
-"""Compiled replicas across devices (GPU review N2, N3).
+"""Compiled replicas: every replica stays compiled, and backwards compile on the caller's thread.
 
-N2: dynamo guards on each input's device, so replicas on k GPUs fill k cache entries of one code
+Dynamo guards on each input's device, so replicas on k GPUs fill k cache entries of one code
 object per variant. On the CPU every replica has the same device; here each replica instead gets
 its own value of an int attribute the forward reads (dynamo guards on its value): the same
-entry-per-replica growth, so the limit that hit eager on 9+ GPUs hits here on 9+ replicas.
-N3: AOT autograd compiled a backward lazily, on its first call: on GPUs, on several autograd
-threads at once. Backwards must be compiled by the forward, on the caller's thread.
+entry-per-replica growth, so a recompile limit that would drop replicas to eager on 9+ GPUs does
+so here on 9+ replicas. AOT autograd compiles a backward lazily, on its first call: on GPUs, on
+several autograd threads at once. Backwards must be compiled by the forward, on the caller's
+thread.
 """
 
 from __future__ import annotations

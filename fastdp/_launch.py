@@ -1,4 +1,6 @@
-"""Launch strategies: how a step's replicas run. One class each; ``make(name)`` picks one.
+"""The launch: how a step's replicas run. One class per strategy, ``make(name)`` picks one, and
+the one rule that overrides them all (NOTE [ Replicas that must run at once ]); the replica
+runners they call are ``fastdp/_runners.py``, the wrapper's worker threads ``fastdp/_workers.py``.
 
 Adding a strategy is one ``Strategy`` subclass and one entry in ``_STRATEGIES``.
 
@@ -27,8 +29,8 @@ import torch
 from torch.nn import Module
 
 from fastdp import _tree
+from fastdp._runners import capture_state, run_in_turn, run_on_threads, run_replica
 from fastdp._workers import WorkerPool
-from fastdp.parallel_apply import capture_state, run_in_turn, run_on_threads, run_replica
 
 __all__ = [
     "Strategy",
@@ -41,6 +43,10 @@ __all__ = [
     "make",
     "resolve_launch",
     "input_key",
+    "run_together",
+    "must_run_together",
+    "must_run_in_order",
+    "for_replicas",
 ]
 
 
@@ -144,10 +150,10 @@ _TRIED = ("threads", "inline")  # what auto measures, by name; ties go to the fi
 
 
 class _Entry:
-    __slots__ = ("plan", "times", "choice", "steps", "trials")
+    __slots__ = ("schedule", "times", "choice", "steps", "trials")
 
     def __init__(self, warmup: int, trials: int) -> None:
-        self.plan = [None] * (warmup * 2) + list(_TRIED) * trials  # None: untimed warm-up
+        self.schedule = [None] * (warmup * 2) + list(_TRIED) * trials  # None: untimed warm-up
         self.times: dict[str, list[float]] = {s: [] for s in _TRIED}
         self.choice: str | None = None
         self.steps = 0
@@ -202,16 +208,16 @@ class Auto(Strategy):
         elif len(self.entries) > 1:
             self.entries.move_to_end(key)
         e.steps += 1
-        if e.plan:
-            n_warm = sum(1 for s in e.plan if s is None)
-            head = e.plan.pop(0)
+        if e.schedule:
+            n_warm = sum(1 for s in e.schedule if s is None)
+            head = e.schedule.pop(0)
             if head is None:  # warm-up: alternate the strategies, untimed
                 return _TRIED[n_warm % 2], False
             return head, True
         if e.steps >= self.RECHECK:
             e.steps = 0
             e.times = {s: [] for s in _TRIED}
-            e.plan = list(_TRIED) * self.TRIALS
+            e.schedule = list(_TRIED) * self.TRIALS
         return e.choice or "threads", False
 
     def record(self, key: tuple, strategy: str, seconds: float) -> None:
@@ -219,7 +225,7 @@ class Auto(Strategy):
         if e is None:
             return
         e.times[strategy].append(seconds)
-        if not e.plan:
+        if not e.schedule:
             med = {s: statistics.median(t) for s, t in e.times.items() if t}
             if len(med) == len(_TRIED):
                 e.choice = min(_TRIED, key=lambda s: med[s])  # ties: threads (DataParallel's)
@@ -259,3 +265,41 @@ def resolve_launch(launch: str | None) -> str:
 def make(launch: str | None) -> Strategy:
     """The strategy named ``launch`` (see ``resolve_launch``); a fresh ``Auto`` each call."""
     return _STRATEGIES[resolve_launch(launch)]()
+
+
+# NOTE [ Replicas that must run at once ]
+# The one rule that overrides every launch strategy: replicas that meet each other during their
+# forward (fastdp's SyncBatchNorm rendezvous; modules with ``__data_parallel_replicate__``
+# callbacks, whose copies talk through queues, as Synchronized-BatchNorm's SyncMaster) would wait
+# forever for a replica that has not started if run in turn. ``prepare_replicas`` marks such
+# replicas (``run_together``) for the duration of its ``with`` block; the mark is on the replicas
+# themselves (the first one's ``__dict__``, not a submodule or state), and marked replicas always
+# run on threads. Compiled replica sets run in order instead (``must_run_in_order``).
+_TOGETHER = "_fastdp_run_together"
+
+
+def run_together(modules: Sequence[Module], on: bool = True) -> None:
+    """Mark (or unmark) ``modules`` as replicas that must run at once (one thread each)."""
+    if modules:
+        if on:
+            modules[0].__dict__[_TOGETHER] = True
+        else:
+            modules[0].__dict__.pop(_TOGETHER, None)
+
+
+def must_run_together(modules: Sequence[Module]) -> bool:
+    """Whether ``modules`` were marked by ``run_together`` (NOTE [ Replicas that must run at
+    once ])."""
+    return bool(modules) and _TOGETHER in modules[0].__dict__
+
+
+def must_run_in_order(replicas: Sequence[Module]) -> bool:
+    """Whether ``replicas`` are a compiled replica set that runs inline on the caller's thread
+    (NOTE [ Compiled replicas run in order ] in ``fastdp/_compiled.py``)."""
+    rs = getattr(replicas, "replica_set", None)
+    return rs is not None and rs.in_order
+
+
+def for_replicas(strategy: Strategy, modules: Sequence[Module]) -> Strategy:
+    """``strategy``, or threads where ``modules`` must run together."""
+    return THREADS if must_run_together(modules) else strategy

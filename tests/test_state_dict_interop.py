@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import fastdp
-from fastdp.checkpoint import _strip
+from fastdp._state_dict import _strip
 
 
 def _net(seed):
