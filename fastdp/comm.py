@@ -21,6 +21,7 @@ from torch.nn.parallel import comm as _tcomm
 
 from fastdp import _backend, engine
 from fastdp._devices import as_device
+from fastdp._planner import plan_chunks
 from fastdp.reducer import reduce_add
 
 __all__ = [
@@ -286,12 +287,3 @@ def gather(
         _count("gather_ext_calls")
         return ext.gather_into(list(tensors), dim, dest)
     return torch.cat([t.to(dest, non_blocking=dest.type == "cuda") for t in tensors], dim)
-
-
-def plan_chunks(
-    leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None = None
-) -> list[list[int]]:
-    """Chunk sizes per leaf; see ``fastdp._planner.plan_chunks`` (C++ when the extension is on)."""
-    from fastdp import _planner
-
-    return _planner.plan_chunks(leaf_sizes, num_devices, chunk_sizes)
