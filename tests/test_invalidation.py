@@ -78,6 +78,11 @@ def test_an_empty_dict_filled_and_a_key_swapped_for_another_are_seen(make):
     value = dicts[3].pop("c")
     dicts[3]["d"] = value  # same size, same value object, another key
     assert snap.changed() == [3]
+    k1, k2 = torch.zeros(2), torch.zeros(2)  # keys whose == raises (the Python one compares keys)
+    tensor_keyed = {k1: value}
+    snap = make([tensor_keyed])
+    tensor_keyed[k2] = tensor_keyed.pop(k1)
+    assert snap.changed() == [0]
 
 
 @pytest.mark.parametrize("make", SNAPSHOTS)
