@@ -118,6 +118,12 @@ def _on_storage(
         return t.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
 
 
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s storage, as ``t``, with a version counter of its own: a replica on the
+    originals' device (NOTE [ Persistent replicas ] in fastdp/replica_set.py)."""
+    return _on_storage(t, 0, t.size(), t.stride())
+
+
 def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s strides where they cover its elements exactly once (any dense layout, as
     channels_last), else the contiguous ones: how a copy of ``t`` sits in a flat."""

@@ -33,6 +33,7 @@ from torch.autograd import Function
 
 from fastdp import _backend, _torch_private
 from fastdp.engine import assign_buckets, count, transport_for
+from fastdp.engine import nbytes as tensor_bytes
 
 
 def reduce_add(
@@ -62,7 +63,7 @@ def reduce_add(
             for row in rows[2:]:
                 torch._foreach_add_(out, list(row))
             if stats is not None:
-                count(stats, "reduce", _bytes(first) if nbytes is None else nbytes)
+                count(stats, "reduce", sum(map(tensor_bytes, first)) if nbytes is None else nbytes)
             return out
         results: list[Any] = [None] * len(first)
         for bucket in assign_buckets(first, cap_bytes):
@@ -70,7 +71,7 @@ def reduce_add(
             for i, s in zip(bucket, sums):
                 results[i] = s
             if stats is not None:
-                count(stats, "reduce", _bytes([first[i] for i in bucket]))
+                count(stats, "reduce", sum(tensor_bytes(first[i]) for i in bucket))
         return results
 
 
@@ -141,10 +142,6 @@ def _reduce_sparse_bucket(rows: list[list[torch.Tensor]], dest: torch.device) ->
         for k, total in zip(dense, _reduce_bucket(column_rows, dest)):
             results[k] = total
     return results
-
-
-def _bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum([t.numel() * t.element_size() for t in tensors])
 
 
 class Pending:
@@ -224,7 +221,7 @@ class BucketLink:
         pending: Pending,
         group: BucketGroup,
     ) -> None:
-        self.index, self.n, self.nbytes = index, len(sources), _bytes(sources)
+        self.index, self.n, self.nbytes = index, len(sources), sum(map(tensor_bytes, sources))
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
 
     def ran(self, local: bool, fresh: int) -> None:

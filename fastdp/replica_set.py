@@ -25,7 +25,7 @@ from fastdp._accumulate import _HOOKS, _VERSION, LeafAccumulation, has_grad_hook
 from fastdp._compiled import compile_root, is_compiled, mark_static
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
-from fastdp.replicate import check_replicatable, clone_tree, finish_tree
+from fastdp.replicate import check_replicatable, clone_tree, finish_tree, point_parameter
 
 # NOTE [ RNN replicas ]
 # RNNBase keeps its weights in a list and weakrefs to them; when a ref no longer matches the
@@ -79,18 +79,8 @@ class NotCacheable(Exception):
     """The module cannot have persistent replicas (TorchScript modules); replicate afresh."""
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor on ``t``'s storage with a version counter of its own (not a view: autograd sees
-    an independent tensor, as DataParallel's copies are)."""
-    with torch.no_grad():
-        a = torch.empty(0, dtype=t.dtype, device=t.device)
-        return a.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-
 class ReplicaSet(LeafAccumulation):
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals)."""
-
-    alias_same_device = True  # tests turn it off to exercise the copy path on one device
 
     def __init__(
         self,
@@ -116,7 +106,7 @@ class ReplicaSet(LeafAccumulation):
         self.watched = self.sources + self.buffers
         self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
-        self.alias = self.alias_same_device and not engine.cpu_distinct()
+        self.alias = not engine.cpu_distinct()
         self.linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
         self.pending = Pending(False)
         self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
@@ -155,7 +145,9 @@ class ReplicaSet(LeafAccumulation):
             ]
             self.layout = engine.Layout(self.sources, self.devices, self.copy_rows, self.cap_bytes)
             rest = [
-                self.layout.rows[j] if j in self.layout.rows else [_alias(s) for s in self.sources]
+                self.layout.rows[j]
+                if j in self.layout.rows
+                else [engine.alias(s) for s in self.sources]
                 for j in range(1, len(self.devices))
             ]
         return [first] + rest
@@ -260,9 +252,8 @@ class ReplicaSet(LeafAccumulation):
         """Point every replica's parameter slots at ``tensors`` (default ``self.tensors``: build
         and fresh tensors; the leaves of NOTE [ no_sync ] otherwise).
 
-        As DataParallel's ``setattr``: a plain attribute (replicas' parameters are not leaves), plus
-        an entry in ``_parameters`` so ``parameters()`` sees it; written straight into the dicts
-        (no per-slot Python call), RNN weight lists rebuilt afterwards.
+        Each slot as ``replicate`` writes it (``point_parameter``), RNN weight lists rebuilt
+        afterwards.
         """
         self.leaf_mode = tensors is not None and tensors is not self.tensors
         if self.attrs is not None:
@@ -280,9 +271,7 @@ class ReplicaSet(LeafAccumulation):
                 if key in r._buffers:
                     r._buffers[key] = t
                     continue
-                r.__dict__[key] = t
-                r._parameters[key] = t
-                r._former_parameters[key] = t
+                point_parameter(r, key, t)
             for i in self.rnn_rows:
                 _point_rnn_cache(row[i])
         for j, i, key, k in self.buffer_slots:

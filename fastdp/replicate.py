@@ -63,6 +63,15 @@ def clone_tree(modules: list[Module], num: int) -> list[list[Module]]:
     return copies
 
 
+def point_parameter(replica: Module, key: str, t: torch.Tensor) -> None:
+    """A replica's parameter slot ``key`` at ``t``, as DataParallel's ``setattr``: a plain
+    attribute (replicas' parameters are not leaves), plus an entry in ``_parameters`` so that
+    ``parameters()`` sees it. The one slot write of ``replicate`` and ``ReplicaSet``."""
+    replica.__dict__[key] = t
+    replica._parameters[key] = t
+    replica._former_parameters[key] = t
+
+
 def finish_tree(modules: list[Module], copies: list[list[Module]], compiled: bool) -> None:
     """After the tensors are set: each replica finished from its module; with ``compiled``
     code the compile budget scaled to the replicas (NOTE [ One compile budget per device ])."""
@@ -111,10 +120,7 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
                 if param is None:
                     replica._parameters[key] = None
                     continue
-                p = param_copies[j][param_indices[param]]
-                setattr(replica, key, p)  # non-leaf: a plain attribute, as in DataParallel
-                replica._parameters[key] = p  # ...and visible to parameters() (the fix)
-                replica._former_parameters[key] = p
+                point_parameter(replica, key, param_copies[j][param_indices[param]])
         for key, buf in module._buffers.items():
             for j, row in enumerate(copies):
                 if buf is None:

@@ -483,7 +483,7 @@ def test_a_bucket_of_unused_parameters_gets_zeros_as_in_dataparallel(monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_copy_rows_on_one_gpu_match_the_plain_module(monkeypatch):
     """The CUDA transport's copy fallback (flats on the source GPU: NCCL needs distinct ones)."""
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
     torch.manual_seed(0)
     model = _mlp(4).cuda()
     ref = copy.deepcopy(model)

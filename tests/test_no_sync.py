@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import fastdp
-from fastdp.replica_set import ReplicaSet
 
 SIZES = (8, 8, 8, 5)  # uneven last micro-batch
 
@@ -55,7 +54,7 @@ def _ref_step(ref, x, n=2):
 @pytest.fixture(params=["alias", "copy"])
 def replica_storage(request, monkeypatch):
     """Replicas aliasing the originals' storage (CPU) or holding copies (as on another GPU)."""
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", request.param == "alias")
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0" if request.param == "alias" else "1")
     return request.param
 
 

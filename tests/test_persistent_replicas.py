@@ -177,7 +177,7 @@ def test_scenarios_fail_without_refresh(monkeypatch):
     from fastdp import _backend
 
     monkeypatch.setattr(_backend, "_enabled", False)
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)  # copies, as on other devices
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")  # copies, as on other devices
     monkeypatch.setattr(ReplicaSet, "copy_sources", lambda self: None)
     caught = [n for n, (_, by) in SCENARIOS.items() if by == "refresh"]
     assert all(_fails(n) for n in caught)
@@ -200,7 +200,7 @@ def test_replicas_are_built_once_in_steady_state(backend, replica_builds):
 @pytest.mark.parametrize("alias", [True, False])
 def test_copy_path_matches_alias_path(backend, monkeypatch, alias):
     """Replicas on another device hold copies; on one machine the copy path is forced."""
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", alias)
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0" if alias else "1")
     for name in ("inplace_update", "load_state_dict", "parameter_data_swap"):
         got, ref = run_scenario(name)
         assert _matches(got, ref), name
@@ -399,7 +399,7 @@ def test_first_call_in_inference_mode_then_training(backend):
 def test_held_outputs_across_steps_stay_correct(backend, monkeypatch):
     """Users who keep losses across steps (``losses.append(loss)``) keep graphs alive; forced
     copies (as on other devices) must then not be overwritten under those graphs."""
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
     torch.manual_seed(0)
     model = Scaled()
     fdp = FastDataParallel(model, device_ids=["cpu"] * N)
@@ -435,7 +435,7 @@ def test_rnn_replicas_keep_their_weight_cache_and_train_as_the_module(backend, m
     """NOTE [ RNN replicas ]: a replica's LSTM never rebuilds its weight list in forward (that
     would call flatten_parameters, which moves cuDNN weights off the refreshed tensors), also
     after its tensors are renewed under a held graph; training matches the module."""
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", alias)
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0" if alias else "1")
     rebuilt = []
     orig = nn.LSTM._init_flat_weights
 

@@ -9,7 +9,7 @@ chunk 0 only, gradients summed. After every step the wrapper's outputs, paramete
 buffers must equal the twin's; then the twin takes the model's exact values (the two sum chunk
 gradients in different orders, and rounding must not accumulate across steps and dtype changes).
 It runs with CPU replicas aliasing the originals' storage (the default on one device) and with
-copies refreshed every step (``ReplicaSet.alias_same_device = False``: the distinct-GPU path).
+copies refreshed every step (``FASTDP_CPU_DISTINCT=1``: the distinct-GPU path).
 ``test_state_machine_catches_stale_replicas`` runs the machine against a cache that never
 invalidates, or never refreshes, and requires it to fail.
 
@@ -259,7 +259,7 @@ PersistentReplicas.TestCase.settings = settings(
 def test_persistent_replicas_state_machine(monkeypatch, alias):
     """``aliased``: CPU replicas share the originals' storage (the default on one device);
     ``copied``: every replica has its own tensors, refreshed each step (the distinct-GPU path)."""
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", alias)
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0" if alias else "1")
     PersistentReplicas.TestCase().runTest()
 
 
@@ -274,7 +274,7 @@ Sabotaged.TestCase.settings = settings(
 
 @pytest.mark.parametrize("sabotage", ["never_invalidate", "never_refresh"])
 def test_state_machine_catches_stale_replicas(monkeypatch, sabotage):
-    monkeypatch.setattr(ReplicaSet, "alias_same_device", False)  # copies that must be refreshed
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")  # copies that must be refreshed
     if sabotage == "never_invalidate":
         monkeypatch.setattr(ReplicaSet, "valid", lambda self, verified=None: True)
     else:
