@@ -97,7 +97,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("sources"), py::arg("replicas"), py::arg("dest"), py::arg("on_backward"),
       py::arg("reduce_rows"),
-      "One bucket's reduce node (NOTE [ Early reduction ] in fastdp/reducer.py): the replica "
+      "One bucket's reduce node (NOTE [ Early reduction ] in fastdp/_reducer.py): the replica "
       "tensors (row-major) become its outputs; backward calls on_backward(local, fresh) once, "
       "sums same-device rows itself (one multi-tensor add per replica; `fresh` of them into new "
       "tensors) or calls reduce_rows(rows), and hands the sums to the sources' gradient edges. "
@@ -118,7 +118,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("grad_fn_use_count", &fastdp::grad_fn_use_count, py::arg("tensor"),
         "Number of owners of tensor.grad_fn's node (0 without one); see NOTE [ Persistent "
-        "replicas ] in fastdp/replica_set.py.");
+        "replicas ] in fastdp/_replica_set.py.");
 
   // --- scatter / gather ---------------------------------------------------------------------
   m.def(

@@ -186,7 +186,7 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
       }
     }
     // One row: reduce_rows copies it, as the Python node does; a sparse gradient: reduce_rows
-    // sums it as DataParallel does (NOTE [ Sparse gradients ] in fastdp/reducer.py).
+    // sums it as DataParallel does (NOTE [ Sparse gradients ] in fastdp/_reducer.py).
     local = local && r > 1 && !needed.empty();
     std::vector<uint8_t> first;
     if (local) first = first_rows(rows[0]);
@@ -207,7 +207,7 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
 }  // namespace
 }  // namespace fastdp
 
-// The node outlives each backward (NOTE [ Early reduction ] in fastdp/reducer.py) and saves no
+// The node outlives each backward (NOTE [ Early reduction ] in fastdp/_reducer.py) and saves no
 // variables, so there is nothing to release; marking it released would make compiled autograd,
 // which reads its saved variables, refuse every backward after the first.
 template <>

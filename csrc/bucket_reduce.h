@@ -1,5 +1,5 @@
 #pragma once
-// The bucket node of the one reducer, in C++: NOTE [ Early reduction ] in fastdp/reducer.py.
+// The bucket node of the one reducer, in C++: NOTE [ Early reduction ] in fastdp/_reducer.py.
 // Touches no Python object: the bindings wrap the Python callbacks (with the GIL) into `hooks`.
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 #pragma once
 // What the running backward will do with leaves: the engine's own record (GraphTask's exec_info),
 // for the reducer's zero-filling of buckets a backward did not reach (NOTE [ Unreached buckets ]
-// in fastdp/reducer.py).
+// in fastdp/_reducer.py).
 
 #include <ATen/ATen.h>
 

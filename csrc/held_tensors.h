@@ -1,6 +1,6 @@
 #pragma once
 // The per-step check of the tensors persistent replicas hold: NOTE [ Tensors a forward changed ]
-// in fastdp/replica_set.py. One pass in C over a list of Python tensors, with the GIL held.
+// in fastdp/_replica_set.py. One pass in C over a list of Python tensors, with the GIL held.
 
 #include <pybind11/pybind11.h>
 

@@ -18,7 +18,7 @@ uint64_t tensor_signature(const std::vector<at::Tensor>& tensors);
 // How many owners hold the autograd node that produced `t` (0 for a tensor without grad_fn).
 // Persistent replicas compare it with its value right after their bucket nodes were made: equal
 // means no later node of any graph points at it, so no live graph can need the old values.
-// See NOTE [ Persistent replicas ] in fastdp/replica_set.py.
+// See NOTE [ Persistent replicas ] in fastdp/_replica_set.py.
 int64_t grad_fn_use_count(const at::Tensor& t);
 
 }  // namespace fastdp

@@ -21,7 +21,7 @@ import operator
 import torch
 
 from fastdp._compiled import mark_static
-from fastdp.reducer import reduce_add
+from fastdp._reducer import reduce_add
 
 _VERSION = operator.attrgetter("_version")
 _HOOKS = operator.attrgetter("_backward_hooks")

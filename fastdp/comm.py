@@ -2,7 +2,7 @@
 
 ``scatter``/``gather`` decide here, per call, whether the extension's fused kernels serve the case
 or the torch path does (identical results); ``broadcast_coalesced``/``reduce_add_coalesced`` are
-the replication engine's (``fastdp/engine.py``, ``fastdp/reducer.py``). Devices are ints (CUDA
+the replication engine's (``fastdp/_buckets.py``, ``fastdp/_reducer.py``). Devices are ints (CUDA
 ids, -1 for the CPU), strings or ``torch.device``. Outputs carry no autograd history (use
 ``fastdp._functions`` for that).
 """
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch.nn.parallel import comm as _tcomm
 
-from fastdp import _backend, engine
+from fastdp import _backend, _buckets
 from fastdp._devices import as_device
 from fastdp._planner import plan_chunks
-from fastdp.reducer import reduce_add
+from fastdp._reducer import reduce_add
 
 __all__ = [
     "broadcast_coalesced",
@@ -95,7 +95,7 @@ def broadcast_coalesced(
 
     ``result[0]`` are the input tensors themselves; the others are new contiguous tensors on flat
     buckets of at most ``buffer_size`` bytes (one broadcast per bucket: NOTE [ Buckets ] in
-    ``fastdp/engine.py``), each with its own version counter, bit-identical in value.
+    ``fastdp/_buckets.py``), each with its own version counter, bit-identical in value.
     """
     devs = [as_device(d) for d in devices]
     tensors = list(tensors)
@@ -113,13 +113,13 @@ def broadcast_coalesced(
 
 
 # NOTE [ Broadcast plans ]
-# broadcast_coalesced plans its buckets (engine.Layout without storage: bucket assignment,
+# broadcast_coalesced plans its buckets (_buckets.Layout without storage: bucket assignment,
 # geometry, the extension's per-bucket view makers) once per tensor set and reuses the plan; every
 # call still allocates its own flats and copies the current values, so results of two calls never
 # alias. The key is the tensors' signature (identity, storage, shape, strides, dtype, device:
 # ``_C.tensor_signature``, or those fields themselves without the extension) with the devices and
 # the bucket size. The cache holds no tensor, so it keeps none alive; it is bounded (LRU).
-_PLANS: collections.OrderedDict[Any, engine.Layout] = collections.OrderedDict()
+_PLANS: collections.OrderedDict[Any, _buckets.Layout] = collections.OrderedDict()
 _PLANS_MAX = 16
 
 
@@ -129,7 +129,7 @@ def _strides(t: torch.Tensor) -> tuple[int, ...] | None:
 
 def _broadcast_plan(
     tensors: list[torch.Tensor], devs: list[torch.device], buffer_size: int
-) -> engine.Layout:
+) -> _buckets.Layout:
     ext = _backend.ext()
     if ext is not None:
         sig: Any = ext.tensor_signature(tensors)
@@ -141,7 +141,7 @@ def _broadcast_plan(
         if plan is not None:
             _PLANS.move_to_end(key)
             return plan
-    plan = engine.Layout(tensors, devs, range(1, len(devs)), buffer_size, allocate=False)
+    plan = _buckets.Layout(tensors, devs, range(1, len(devs)), buffer_size, allocate=False)
     with _STATS_LOCK:
         _STATS["broadcast_layouts_built"] += 1
         _PLANS[key] = plan
@@ -158,7 +158,7 @@ def reduce_add_coalesced(
     """Position-wise sums over devices: ``result[i] = sum(inputs[d][i] for d)`` on ``destination``.
 
     ``destination=None`` means the device of ``inputs[0]``. The one reduction of the package
-    (NOTE [ One reducer ] in ``fastdp/reducer.py``): buckets of at most ``buffer_size`` bytes,
+    (NOTE [ One reducer ] in ``fastdp/_reducer.py``): buckets of at most ``buffer_size`` bytes,
     summed in list order (between distinct GPUs in NCCL's order, within float tolerance).
     """
     inputs = [list(x) for x in inputs]

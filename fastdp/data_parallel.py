@@ -20,7 +20,7 @@ import torch
 from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
-from fastdp import _backend, _launch, _torch_private, engine
+from fastdp import _backend, _buckets, _launch, _torch_private, _transports
 from fastdp._accumulate import fold
 from fastdp._compiled import (
     backward_with_forward,
@@ -30,19 +30,19 @@ from fastdp._compiled import (
 )
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
+from fastdp._replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._runners import raise_first_error
 from fastdp._snapshots import module_dicts, snapshot
 from fastdp._state_dict import load_wrapped_state_dict
 from fastdp._workers import WorkerPool
 from fastdp.parallel_apply import parallel_apply
-from fastdp.replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import Scattered, gather, scatter_kwargs
 from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
 
-_ZERO_STATS = engine.new_stats()
+_ZERO_STATS = _transports.new_stats()
 _MAX_SETS = 2  # replica sets kept: the most recent device tuples (a partial last batch's spare)
 
 _record_function = _torch_private.record_function  # the step's profiler label
@@ -88,7 +88,7 @@ class FastDataParallel(DataParallel):
             in ``fastdp/_launch.py``. ``launch_report()`` shows what ``auto`` picked.
         bucket_cap_mb: keyword-only; the size of the buckets replicas are refreshed and
             gradients reduced in (DDP's default 25; the first bucket at most 1 MiB). See
-            NOTE [ Buckets ] in ``fastdp/engine.py``; ``comm_stats()`` counts the calls.
+            NOTE [ Buckets ] in ``fastdp/_buckets.py``; ``comm_stats()`` counts the calls.
         strict_chunks: keyword-only; input tensors that split into more chunks than others lose
             their extra rows, as in DataParallel, with one warning per wrapper naming them; True
             raises ``ValueError`` instead (NOTE [ DataParallel's chunking ]).
@@ -116,7 +116,7 @@ class FastDataParallel(DataParallel):
         balance: Sequence[float] | None = None,
         gather_output: bool = True,
         launch: str | None = None,
-        bucket_cap_mb: float = engine.DEFAULT_CAP_MB,
+        bucket_cap_mb: float = _buckets.DEFAULT_CAP_MB,
         strict_chunks: bool = False,
         scalar_outputs: str = "stack",
     ) -> None:
@@ -135,7 +135,7 @@ class FastDataParallel(DataParallel):
         self.scalar_outputs = scalar_outputs
         self.strict_chunks = strict_chunks
         self._drop_warned = False
-        self._comm = engine.new_stats()  # see comm_stats()
+        self._comm = _transports.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple | None = None  # NOTE [ One signature per step ]
         self.strategy = _launch.make(launch)  # NOTE [ Launch strategies ]
@@ -200,7 +200,7 @@ class FastDataParallel(DataParallel):
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
         """One step: plan -> scatter -> replicate (refresh) -> parallel_apply -> gather; the
-        reduce runs in backward (fastdp/reducer.py)."""
+        reduce runs in backward (fastdp/_reducer.py)."""
         with _record_function("FastDataParallel.forward"):
             self._start_step()
             plan = self._plan(inputs, kwargs, ctx)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import fastdp.comm as comm
-from fastdp import _backend, engine
+from fastdp import _backend, _buckets
 from fastdp._callable import callable_module
 from fastdp._devices import as_device
 from fastdp._doctor_cases import (
@@ -349,8 +349,8 @@ def _engine_reference(op: str, lists: list[list[torch.Tensor]], devs: list) -> l
 
 
 def coalesced_check(op: str, kind: str) -> Callable[[], str]:
-    """The replication engine (the step's own broadcast, refresh and reduce: fastdp/engine.py,
-    fastdp/reducer.py) in small buckets against torch's per-tensor primitives."""
+    """The replication engine (the step's own broadcast, refresh and reduce: fastdp/_buckets.py,
+    fastdp/_reducer.py) in small buckets against torch's per-tensor primitives."""
 
     def run() -> str:
         need_gpus(_GPUS_NEEDED[kind])
@@ -361,7 +361,7 @@ def coalesced_check(op: str, kind: str) -> Callable[[], str]:
         elif op == "reduce":
             got = comm.reduce_add_coalesced(lists, devs[0], 4096)
         else:  # refresh: persistent bucket copies, refreshed in place after the sources changed
-            layout = engine.Layout(
+            layout = _buckets.Layout(
                 lists[0], [as_device(d) for d in devs], range(1, len(devs)), 4096
             )
             layout.refresh(lists[0], None)

@@ -73,7 +73,7 @@ def pytest_report_header(config):
 @pytest.fixture
 def replica_builds(monkeypatch):
     """A list that gets one entry per ``ReplicaSet`` built during the test."""
-    from fastdp.replica_set import ReplicaSet
+    from fastdp._replica_set import ReplicaSet
 
     builds: list[int] = []
     orig = ReplicaSet.__init__

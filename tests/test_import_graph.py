@@ -14,14 +14,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "fastdp")
 DOC = os.path.join(ROOT, "docs", "how-it-works.md")
 
-# Upward imports that are known and owned: the reducer's remaining work (one ``Reducer`` per
-# replica set, ``comm`` depending on nothing above it) removes them. Nothing else may go here.
-ALLOWED_UPWARD = {
-    ("comm", "engine"),  # comm.broadcast_coalesced plans buckets with engine.Layout
-    ("comm", "reducer"),  # comm.reduce_add_coalesced sums through reducer.reduce_add
-}
-
-
 # The C++ extension (csrc/, built as fastdp._C): below every Python module, imports none.
 EXTENSION = "_C"
 
@@ -112,7 +104,7 @@ def upward(graph: dict[str, set[str]], layers: dict[str, int]) -> list[tuple[str
         (m, d)
         for m, deps in graph.items()
         for d in deps
-        if layer_of(d, layers) > layer_of(m, layers) and (m, d) not in ALLOWED_UPWARD
+        if layer_of(d, layers) > layer_of(m, layers)
     )
 
 
@@ -170,12 +162,6 @@ def test_every_module_has_one_documented_layer(graph, layers):
 
 def test_no_module_imports_a_higher_layer(graph, layers):
     assert upward(graph, layers) == []
-
-
-def test_the_allowed_upward_imports_still_exist(graph, layers):
-    """An allowance whose import is gone is removed from the list, so it cannot hide a new one."""
-    assert sorted(e for e in ALLOWED_UPWARD if e[1] not in graph.get(e[0], ())) == []
-    assert all(layer_of(d, layers) > layer_of(m, layers) for m, d in ALLOWED_UPWARD)
 
 
 def test_no_import_circles(graph):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-import fastdp.replica_set as replica_set
+import fastdp._replica_set as replica_set
 from fastdp import FastDataParallel
 from fastdp._launch import Auto
 from fastdp.parallel_apply import parallel_apply

@@ -48,7 +48,7 @@ from hypothesis.stateful import (
 from oracle_models import FAIL, FEATURES, SKIP, VOCAB, D, OracleNet, _half
 from oracle_runners import Chunked, Wrapped
 
-from fastdp import engine
+from fastdp import _buckets
 
 OPERATIONS = (
     "no_sync",
@@ -110,14 +110,14 @@ class Oracle(RuleBasedStateMachine):
     @initialize(
         feats=st.sets(st.sampled_from(FEATURES)),
         n=st.integers(2, 4),
-        cap=st.sampled_from([1e-4, engine.DEFAULT_CAP_MB]),
+        cap=st.sampled_from([1e-4, _buckets.DEFAULT_CAP_MB]),
         launch=st.sampled_from(LAUNCHES),
         opt=st.sampled_from(["sgd", "adamw"]),
         seed=st.integers(0, 2**16),
     )
     def build(self, feats, n, cap, launch, opt, seed):
         feats = frozenset(feats) - LEFT_OUT
-        if not engine.cpu_distinct():  # see the module docstring
+        if not _buckets.cpu_distinct():  # see the module docstring
             feats -= {"inplace_param"}
         self.feats, self.n, self.pending = feats, n, False
         self.named_only = False  # the last backward named its inputs: see agree()

@@ -19,7 +19,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from fastdp import FastDataParallel
-from fastdp.replica_set import ReplicaSet
+from fastdp._replica_set import ReplicaSet
 
 pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
 

@@ -15,7 +15,7 @@ Properties (each over CPU replica sets of 1-8 devices):
 * ``test_broadcast_coalesced_copies_bit_exact`` / ``test_reduce_add_coalesced_sums_in_list_order``:
   the replication engine, for random tensor lists (dtypes, layouts, empty tensors) on 1-4 CPU
   devices and bucket sizes from 1 byte: broadcast copies equal their sources bit for bit with
-  storage of their own (device 0's are the inputs), a refreshed ``engine.Layout`` likewise; sums
+  storage of their own (device 0's are the inputs), a refreshed ``_buckets.Layout`` likewise; sums
   are in list order, inputs untouched, outputs new.
 
 Examples: ``FASTDP_HYPOTHESIS_EXAMPLES`` per property (default 2000), derandomized (a fixed seed per
@@ -393,7 +393,7 @@ def _numeric(spec: TensorSpec) -> torch.Tensor:
 @PROPERTY
 @given(specs=_flat_specs_strategy(), n=st.integers(1, 4), buffer_size=st.integers(1, 4096))
 def test_broadcast_coalesced_copies_bit_exact(specs, n, buffer_size):
-    from fastdp import comm, engine
+    from fastdp import _buckets, comm
 
     tensors = [materialize(s, s.sizes[0], 0) for s in specs]
     devices = [torch.device("cpu")] * n
@@ -405,7 +405,7 @@ def test_broadcast_coalesced_copies_bit_exact(specs, n, buffer_size):
             assert_same(c, t)
             if c.numel():
                 assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-    layout = engine.Layout(tensors, devices, range(1, n), buffer_size)  # the step's refresh
+    layout = _buckets.Layout(tensors, devices, range(1, n), buffer_size)  # the step's refresh
     layout.refresh(tensors, None)
     for j in range(1, n):
         for c, t in zip(layout.rows[j], tensors):

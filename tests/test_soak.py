@@ -19,7 +19,7 @@ the cores), in two variants: persistent replicas and worker threads (the default
 replicas and threads every step (``persistent=False``, DataParallel's way).
 
 Measured on the development machine (2 cores, shared), one intra-op thread, main before the
-bucket engine (fastdp/engine.py) replaced the C++ refresh node (not re-measured since):
+bucket engine (fastdp/_buckets.py) replaced the C++ refresh node (not re-measured since):
 
 * persistent: 2,000 steps in 3.1 s (~650 steps/s); 10,000 steps in 13.9 s, RSS 318.7 -> 320.8 MiB,
   threads 5 -> 5 (main + 4 workers), native 6 -> 6, gc objects flat; 30,000 steps: RSS 315.4 MiB

@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from fastdp import FastDataParallel
-from fastdp.replica_set import Replicas, ReplicaSet
+from fastdp._replica_set import Replicas, ReplicaSet
 
 # NOTE [ Tests under each launch strategy ]; each also with the extension allowed and forced off
 pytestmark = pytest.mark.usefixtures("launch", "backend")

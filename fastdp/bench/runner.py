@@ -206,7 +206,7 @@ def time_modes(
 def record_launch(recs: dict, calls: dict) -> None:
     """Each fastdp record gets its wrapper's strategy: forced, or what ``auto`` picked (with the
     trial's medians) in ``launch_pick``; and the last timed step's ``comm_stats()`` (buckets,
-    broadcasts, reduces, bytes: NOTE [ Buckets ] in ``fastdp/engine.py``)."""
+    broadcasts, reduces, bytes: NOTE [ Buckets ] in ``fastdp/_buckets.py``)."""
     for m, call in calls.items():
         launch = getattr(call, "launch", None)
         if launch is None or m not in recs:

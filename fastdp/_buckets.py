@@ -1,4 +1,5 @@
-"""The replication engine: flat buckets, one broadcast per bucket, transports and counters.
+"""Buckets: which tensors travel together, and the flat layout of replicas that do not alias the
+originals (one flat per bucket).
 
 NOTE [ Buckets ]
 Tensors are grouped as DDP's ``Reducer`` groups them: per (dtype, device), in reverse
@@ -12,15 +13,6 @@ packs a bucket's originals into a staging flat on the source device (one multi-t
 broadcasts it into every such replica's flat (one transport call per bucket, whatever the number
 of devices); when every copy row is on the source device there is no staging: one multi-tensor
 copy per row. Tensors that cannot be flattened (sparse, quantized) form buckets of one.
-
-NOTE [ Transports ]
-Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
-own ``broadcast(out=)`` and ``reduce_add`` (``torch.nn.parallel.comm``, which ``torch.cuda.comm``
-re-exports only once imported): one NCCL call (torch's cached communicators) when the flats sit
-on distinct GPUs, copies otherwise (repeated ids). Everything runs on the calling thread's
-current stream of each device: the caller's streams for a refresh (the replicas then run on the
-same streams, NOTE [ The caller's streams ]), the streams autograd gives the bucket's node for a
-reduce.
 """
 
 from __future__ import annotations
@@ -32,46 +24,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.nn.parallel import comm as torch_comm
 
 from fastdp import _backend
+from fastdp._transports import count, transport_for
 
 __all__ = [
     "DEFAULT_CAP_MB",
     "FIRST_BUCKET_BYTES",
     "Layout",
+    "alias",
     "assign_buckets",
     "cpu_distinct",
-    "new_stats",
-    "transport_for",
 ]
 
 DEFAULT_CAP_MB = 25.0
+
 FIRST_BUCKET_BYTES = 1024 * 1024
-STAT_KEYS = (
-    "buckets",
-    "broadcasts",
-    "reduces",
-    "bytes_broadcast",
-    "bytes_reduced",
-    "sums_out_of_place",
-)
 
 
 def cpu_distinct() -> bool:
     """``FASTDP_CPU_DISTINCT=1``: CPU replicas get storage of their own, as distinct GPUs do."""
     return os.environ.get("FASTDP_CPU_DISTINCT", "0") == "1"
-
-
-def new_stats() -> dict[str, int]:
-    return dict.fromkeys(STAT_KEYS, 0)
-
-
-def count(stats: dict[str, int] | None, kind: str, nbytes: int) -> None:
-    """One broadcast or reduce of ``nbytes`` (once per bucket, whatever the number of devices)."""
-    if stats is not None:
-        stats[kind + "s"] += 1
-        stats["bytes_" + ("broadcast" if kind == "broadcast" else "reduced")] += nbytes
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -120,7 +93,7 @@ def _on_storage(
 
 def alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor on ``t``'s storage, as ``t``, with a version counter of its own: a replica on the
-    originals' device (NOTE [ Persistent replicas ] in fastdp/replica_set.py)."""
+    originals' device (NOTE [ Persistent replicas ] in fastdp/_replica_set.py)."""
     return _on_storage(t, 0, t.size(), t.stride())
 
 
@@ -140,60 +113,6 @@ def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-class _CpuTransport:
-    """Copies and in-order sums (also the CUDA transport's fallback for what NCCL cannot do)."""
-
-    name = "cpu"
-
-    @staticmethod
-    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
-        for d in dsts:
-            d.copy_(src)
-
-    @staticmethod
-    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
-        out = flats[0].to(dest, copy=True)
-        for f in flats[1:]:
-            out.add_(f.to(dest))
-        return out
-
-
-class _CudaTransport:
-    name = "cuda"
-
-    @staticmethod
-    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
-        if src.layout != torch.strided:
-            for d in dsts:
-                d.copy_(src, non_blocking=True)
-            return
-        # torch's broadcast views a complex source as real but not its out= tensors (a shape
-        # error), and NCCL has no complex types: move complex flats as their real pairs.
-        torch_comm.broadcast(_as_real(src), out=[_as_real(d) for d in dsts])
-
-    @staticmethod
-    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
-        if (
-            dest.type != "cuda"
-            or all(f.device != dest for f in flats)
-            or any(f.layout != torch.strided for f in flats)
-        ):
-            return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
-        if flats[0].dtype.is_complex:  # NCCL has no complex types; pairwise sums are the same
-            return torch.view_as_complex(
-                torch_comm.reduce_add([_as_real(f) for f in flats], dest.index)
-            )
-        return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
-
-
-def _as_real(t: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(t) if t.dtype.is_complex else t
-
-
-def transport_for(devices: Sequence[torch.device]) -> Any:
-    return _CudaTransport if any(d.type == "cuda" for d in devices) else _CpuTransport
 
 
 class Layout:

@@ -1,4 +1,4 @@
-"""The replication engine (fastdp/engine.py) and the one reducer (fastdp/reducer.py).
+"""The replication engine (fastdp/_buckets.py) and the one reducer (fastdp/_reducer.py).
 
 Distinct-device behaviour runs on CPU replicas with ``FASTDP_CPU_DISTINCT=1`` (own storage,
 refreshed and reduced through the CPU transport): the logic the CUDA transport shares. The
@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 from torch.testing import assert_close
 
-import fastdp.reducer
-from fastdp import FastDataParallel, _backend, comm, engine
-from fastdp.replica_set import ReplicaSet
+import fastdp._reducer
+from fastdp import FastDataParallel, _backend, _buckets, _transports, comm
+from fastdp._replica_set import ReplicaSet
 from fastdp.testing import DTYPES, onlyMultiGPU
 
 
@@ -42,7 +42,7 @@ def _rs(fdp: FastDataParallel) -> ReplicaSet:
 def test_buckets_fill_in_reverse_order_per_dtype_with_a_small_first_bucket():
     mb = 2**20
     ts = [torch.empty(mb // 4) for _ in range(6)] + [torch.empty(8, dtype=torch.float64)]
-    buckets = engine.assign_buckets(ts, 2.5 * mb)
+    buckets = _buckets.assign_buckets(ts, 2.5 * mb)
     assert buckets[0] == [5]  # 1 MiB first bucket: the last float tensor alone
     assert buckets[1] == [4, 3, 2]  # then up to the cap (closed once it reaches 2.5 MiB)
     assert sorted(buckets[2:]) == [[1, 0], [6]]  # float64 never shares a flat with float32
@@ -51,7 +51,7 @@ def test_buckets_fill_in_reverse_order_per_dtype_with_a_small_first_bucket():
 
 def test_sparse_tensors_get_buckets_of_their_own():
     ts = [torch.ones(3), torch.eye(3).to_sparse(), torch.ones(2)]
-    buckets = engine.assign_buckets(ts, 2**20)
+    buckets = _buckets.assign_buckets(ts, 2**20)
     assert [1] in buckets and sorted(i for b in buckets for i in b) == [0, 1, 2]
 
 
@@ -102,8 +102,8 @@ def test_every_reduction_goes_through_reduce_add(monkeypatch, distinct):
     """The one reducer: ``reduce_add``, or (extension loaded) the bucket node's native sum of
     same-device rows, its C++ twin (NOTE [ Early reduction ]; parity: the next test)."""
     calls = []
-    real = fastdp.reducer.reduce_add
-    real_ran = fastdp.reducer.BucketLink.ran
+    real = fastdp._reducer.reduce_add
+    real_ran = fastdp._reducer.BucketLink.ran
 
     def counting(*a, **k):
         calls.append(1)
@@ -114,8 +114,8 @@ def test_every_reduction_goes_through_reduce_add(monkeypatch, distinct):
             calls.append("native")
         return real_ran(self, local, fresh)
 
-    monkeypatch.setattr(fastdp.reducer, "reduce_add", counting)
-    monkeypatch.setattr(fastdp.reducer.BucketLink, "ran", native)
+    monkeypatch.setattr(fastdp._reducer, "reduce_add", counting)
+    monkeypatch.setattr(fastdp._reducer.BucketLink, "ran", native)
     monkeypatch.setattr(fastdp._accumulate, "reduce_add", counting)
     monkeypatch.setattr(comm, "reduce_add", counting)
     x = torch.randn(8, 32)
@@ -148,12 +148,12 @@ def test_the_native_bucket_node_sums_as_reduce_add_does(n):
         for s in src:
             s.grad = None
         rows = [[s.detach().clone() for s in src] for _ in range(n)]
-        r = fastdp.reducer
+        r = fastdp._reducer
         link = r.BucketLink(
-            0, src, torch.device("cpu"), engine.new_stats(), r.Pending(), r.BucketGroup([src])
+            0, src, torch.device("cpu"), _transports.new_stats(), r.Pending(), r.BucketGroup([src])
         )
         with torch.enable_grad():
-            fastdp.reducer.link_bucket(link, rows, src, native=native)
+            fastdp._reducer.link_bucket(link, rows, src, native=native)
         outs = [rows[j][k] * (j + 1.5) for j in range(n) for k in (0, 2)]  # row 0's k=1 unused
         torch.autograd.backward([o.sum() for o in outs])
         grads[native] = [None if s.grad is None else s.grad.clone() for s in src]
@@ -509,27 +509,27 @@ def test_the_cuda_transport_is_torchs_one_call_per_bucket(monkeypatch):
 
     calls = []
     monkeypatch.setattr(
-        engine.torch_comm, "broadcast", lambda src, out: calls.append(("broadcast", len(out)))
+        _transports.torch_comm, "broadcast", lambda src, out: calls.append(("broadcast", len(out)))
     )
     monkeypatch.setattr(
-        engine.torch_comm,
+        _transports.torch_comm,
         "reduce_add",
         lambda flats, dest: calls.append(("reduce", len(flats))) or flats[0],
     )
     src = torch.ones(10)
-    engine._CudaTransport.broadcast(src, [torch.empty(10), torch.empty(10)])
+    _transports._CudaTransport.broadcast(src, [torch.empty(10), torch.empty(10)])
 
     class OnGpu:  # what the transport reads of a flat on cuda:0 (no GPU here)
         device, layout, dtype = torch.device("cuda", 0), torch.strided, torch.float32
 
-    engine._CudaTransport.reduce([OnGpu()] * 3, torch.device("cuda", 0))
+    _transports._CudaTransport.reduce([OnGpu()] * 3, torch.device("cuda", 0))
     assert calls == [("broadcast", 2), ("reduce", 3)]
-    assert engine.transport_for([torch.device("cuda", 0)] * 2) is engine._CudaTransport
+    assert _transports.transport_for([torch.device("cuda", 0)] * 2) is _transports._CudaTransport
     r = subprocess.run(
         [
             sys.executable,
             "-c",
-            "import torch, fastdp.engine as e; print(e.torch_comm.broadcast.__module__)",
+            "import torch, fastdp._transports as e; print(e.torch_comm.broadcast.__module__)",
         ],
         capture_output=True,
         text=True,

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch.nn import Module
 
-from fastdp import _backend, engine
+from fastdp import _backend, _buckets
 from fastdp._accumulate import _HOOKS, _VERSION, LeafAccumulation, has_grad_hooks, make_leaves
 from fastdp._compiled import compile_root, is_compiled, mark_static
+from fastdp._reducer import BucketGroup, BucketLink, Pending, link_bucket
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
-from fastdp.reducer import BucketGroup, BucketLink, Pending, link_bucket
 from fastdp.replicate import check_replicatable, clone_tree, finish_tree, point_parameter
 
 # NOTE [ RNN replicas ]
@@ -87,7 +87,7 @@ class ReplicaSet(LeafAccumulation):
         network: Module,
         devices: list[torch.device],
         compile_ctx: Any = None,
-        cap_bytes: float = engine.DEFAULT_CAP_MB * 2**20,
+        cap_bytes: float = _buckets.DEFAULT_CAP_MB * 2**20,
         stats: dict[str, int] | None = None,
     ) -> None:
         params = list(network.parameters())
@@ -106,7 +106,7 @@ class ReplicaSet(LeafAccumulation):
         self.watched = self.sources + self.buffers
         self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
-        self.alias = not engine.cpu_distinct()
+        self.alias = not _buckets.cpu_distinct()
         self.linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
         self.pending = Pending(False)
         self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
@@ -143,25 +143,27 @@ class ReplicaSet(LeafAccumulation):
                 for j in range(1, len(self.devices))
                 if not (self.devices[j] == self.src_device and self.alias)
             ]
-            self.layout = engine.Layout(self.sources, self.devices, self.copy_rows, self.cap_bytes)
+            self.layout = _buckets.Layout(
+                self.sources, self.devices, self.copy_rows, self.cap_bytes
+            )
             rest = [
                 self.layout.rows[j]
                 if j in self.layout.rows
-                else [engine.alias(s) for s in self.sources]
+                else [_buckets.alias(s) for s in self.sources]
                 for j in range(1, len(self.devices))
             ]
         return [first] + rest
 
     def _new_buffer_copies(self) -> None:
         """Buffers of replicas 1.. are always copies (BatchNorm updates them in place)."""
-        self.buffer_layout = engine.Layout(
+        self.buffer_layout = _buckets.Layout(
             self.buffers, self.devices, range(1, len(self.devices)), self.cap_bytes
         )
         self.buffer_copies = [self.buffer_layout.rows[j] for j in range(1, len(self.devices))]
 
     def _node_buckets(self) -> list[list[int]]:
         """The sources of each reduce node: one per bucket with the extension, else one for all
-        (NOTE [ Unreached buckets ] in fastdp/reducer.py)."""
+        (NOTE [ Unreached buckets ] in fastdp/_reducer.py)."""
         if self.linked:
             return self.layout.buckets
         return [list(range(len(self.sources)))] if self.sources else []

@@ -6,7 +6,7 @@ backward (one ``BucketReduce`` node per bucket), ``no_sync()``'s fold, and
 ``fastdp.comm.reduce_add_coalesced`` (``persistent=False``'s ``Broadcast`` backward). Per bucket
 it packs each replica's gradients into one flat (one ``cat`` per replica), sums the flats that
 are already on the destination, reduces the rest with one transport call (NOTE [ Transports ] in
-``fastdp/engine.py``) and returns views of the sum. Under ``create_graph=True`` the sum is made
+``fastdp/_buckets.py``) and returns views of the sum. Under ``create_graph=True`` the sum is made
 of differentiable ops instead; sparse gradients as NOTE [ Sparse gradients ] says; when every
 gradient is on the destination (CPU replicas, repeated GPU ids) one multi-tensor add per replica
 needs no pack.
@@ -32,8 +32,9 @@ import torch
 from torch.autograd import Function
 
 from fastdp import _backend, _torch_private
-from fastdp.engine import assign_buckets, count, transport_for
-from fastdp.engine import nbytes as tensor_bytes
+from fastdp._buckets import assign_buckets
+from fastdp._buckets import nbytes as tensor_bytes
+from fastdp._transports import count, transport_for
 
 
 def reduce_add(

@@ -1,0 +1,110 @@
+"""Transports: the device-specific half of every broadcast and reduce, behind one interface,
+and the counters of ``comm_stats()``.
+
+NOTE [ Transports ]
+Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
+own ``broadcast(out=)`` and ``reduce_add`` (``torch.nn.parallel.comm``, which ``torch.cuda.comm``
+re-exports only once imported): one NCCL call (torch's cached communicators) when the flats sit
+on distinct GPUs, copies otherwise (repeated ids). Everything runs on the calling thread's
+current stream of each device: the caller's streams for a refresh (the replicas then run on the
+same streams, NOTE [ The caller's streams ]), the streams autograd gives the bucket's node for a
+reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch.nn.parallel import comm as torch_comm
+
+__all__ = ["STAT_KEYS", "Transport", "count", "new_stats", "transport_for"]
+
+STAT_KEYS = (
+    "buckets",
+    "broadcasts",
+    "reduces",
+    "bytes_broadcast",
+    "bytes_reduced",
+    "sums_out_of_place",
+)
+
+
+class Transport(Protocol):
+    """What the flat layout and the reducer ask of a device type (``name``: "cpu" or "cuda")."""
+
+    name: str
+
+    @staticmethod
+    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        """Copy ``src`` into every tensor of ``dsts`` (same shape, any devices)."""
+
+    @staticmethod
+    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
+        """A new tensor on ``dest``: ``flats[0] + flats[1] + ...``, summed in that order."""
+
+
+def new_stats() -> dict[str, int]:
+    return dict.fromkeys(STAT_KEYS, 0)
+
+
+def count(stats: dict[str, int] | None, kind: str, nbytes: int) -> None:
+    """One broadcast or reduce of ``nbytes`` (once per bucket, whatever the number of devices)."""
+    if stats is not None:
+        stats[kind + "s"] += 1
+        stats["bytes_" + ("broadcast" if kind == "broadcast" else "reduced")] += nbytes
+
+
+class _CpuTransport:
+    """Copies and in-order sums (also the CUDA transport's fallback for what NCCL cannot do)."""
+
+    name = "cpu"
+
+    @staticmethod
+    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        for d in dsts:
+            d.copy_(src)
+
+    @staticmethod
+    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
+        out = flats[0].to(dest, copy=True)
+        for f in flats[1:]:
+            out.add_(f.to(dest))
+        return out
+
+
+class _CudaTransport:
+    name = "cuda"
+
+    @staticmethod
+    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        if src.layout != torch.strided:
+            for d in dsts:
+                d.copy_(src, non_blocking=True)
+            return
+        # torch's broadcast views a complex source as real but not its out= tensors (a shape
+        # error), and NCCL has no complex types: move complex flats as their real pairs.
+        torch_comm.broadcast(_as_real(src), out=[_as_real(d) for d in dsts])
+
+    @staticmethod
+    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
+        if (
+            dest.type != "cuda"
+            or all(f.device != dest for f in flats)
+            or any(f.layout != torch.strided for f in flats)
+        ):
+            return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
+        if flats[0].dtype.is_complex:  # NCCL has no complex types; pairwise sums are the same
+            return torch.view_as_complex(
+                torch_comm.reduce_add([_as_real(f) for f in flats], dest.index)
+            )
+        return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.dtype.is_complex else t
+
+
+def transport_for(devices: Sequence[torch.device]) -> type[Transport]:
+    return _CudaTransport if any(d.type == "cuda" for d in devices) else _CpuTransport
