@@ -1,4 +1,6 @@
-"""The one gradient reduction: ``reduce_add``, and the per-bucket autograd node that calls it.
+"""The gradient side of the replicas, shaped like DDP's ``Reducer``: ``reduce_add`` (the one
+sum), the per-bucket autograd nodes that call it, and ``Reducer``, one per replica set (its
+nodes, their liveness, unreached buckets, ``no_sync()``'s leaves and fold).
 
 NOTE [ One reducer ]
 Every cross-replica sum of the package goes through ``reduce_add``: the persistent replicas'
@@ -6,7 +8,7 @@ backward (one ``BucketReduce`` node per bucket), ``no_sync()``'s fold, and
 ``fastdp.comm.reduce_add_coalesced`` (``persistent=False``'s ``Broadcast`` backward). Per bucket
 it packs each replica's gradients into one flat (one ``cat`` per replica), sums the flats that
 are already on the destination, reduces the rest with one transport call (NOTE [ Transports ] in
-``fastdp/_buckets.py``) and returns views of the sum. Under ``create_graph=True`` the sum is made
+``fastdp/_transports.py``) and returns views of the sum. Under ``create_graph=True`` the sum is made
 of differentiable ops instead; sparse gradients as NOTE [ Sparse gradients ] says; when every
 gradient is on the destination (CPU replicas, repeated GPU ids) one multi-tensor add per replica
 needs no pack.
@@ -21,10 +23,24 @@ earlier layers are still in backward: DDP's early bucket launch, in one process.
 extension the node is C++ (``csrc/bucket_reduce.cpp``, made once per tensor set): it sums
 same-device rows itself and calls Python once per bucket, not per gradient; rows on other devices
 go to ``reduce_add``. Without it, ``BucketReduce`` below, made every step.
+
+NOTE [ no_sync ]
+Under ``FastDataParallel.no_sync()`` (DDP's API, decided at forward time) replicas run on leaves:
+``detach()`` views of the persistent replica tensors, made once per accumulation cycle, whose
+``.grad`` accumulate on each replica's device; nothing is reduced and the originals' ``.grad``
+are untouched, so ``M`` micro-steps cost two reductions (a fold and the last step's), not ``M``.
+The next grad-enabled forward outside ``no_sync()`` folds them into the originals' ``.grad``
+(``fold``), which then equal plain accumulation. Pending gradients are never overwritten: copy
+rows are copied on a cycle's first micro-step and again only when the originals changed in place
+since (version counters), onto fresh tensors whose leaves take over the pending gradients; a set
+rebuilt mid-cycle stays registered until the fold. A ``zero_grad()`` that changes the originals'
+``.grad`` drops them. Parameters with hooks (``register_hook``, post-accumulate hooks) must see
+every micro-step's gradient, so such a set reduces each micro-step as outside ``no_sync()``.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +50,7 @@ from torch.autograd import Function
 from fastdp import _backend, _torch_private
 from fastdp._buckets import assign_buckets
 from fastdp._buckets import nbytes as tensor_bytes
+from fastdp._compiled import mark_static
 from fastdp._transports import count, transport_for
 
 
@@ -287,3 +304,185 @@ def link_bucket(
     if node is not None:
         _torch_private.set_sequence_nr(node)
     return node
+
+
+_VERSION = operator.attrgetter("_version")
+_HOOKS = operator.attrgetter("_backward_hooks")
+_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def has_grad_hooks(sources: list[torch.Tensor]) -> bool:
+    """Whether a source's gradient goes through a hook (tensor or post-accumulate)."""
+    return any(map(_HOOKS, sources)) or any(map(_POST_HOOKS, sources))
+
+
+def grad_marks(sources: list[torch.Tensor]) -> tuple:
+    """What ``zero_grad`` changes: each source's ``.grad`` identity and version."""
+    return tuple(None if s.grad is None else (id(s.grad), s.grad._version) for s in sources)
+
+
+def make_leaves(
+    tensors: list[list[torch.Tensor]], sources: list[torch.Tensor]
+) -> list[list[torch.Tensor]]:
+    """Per replica, leaves on the persistent tensors' storage (requires_grad as the sources)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return [
+            [t.detach().requires_grad_(s.requires_grad) for t, s in zip(row, sources)]
+            for row in tensors
+        ]
+
+
+def fold(
+    pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
+    stats: dict[str, int] | None = None,
+) -> int:
+    """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
+    in-place add) through the one reducer (NOTE [ One reducer ]); returns how many sources
+    received gradients. A source that requires grad and that no replica computed a gradient
+    for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one)."""
+    received = 0
+    for sources, leaves in pending:
+        hit = [k for k in range(len(sources)) if any(row[k].grad is not None for row in leaves)]
+        rows = [
+            [row[k].grad if row[k].grad is not None else torch.zeros_like(row[k]) for k in hit]
+            for row in leaves
+            if any(row[k].grad is not None for k in hit)
+        ]
+        if not hit:
+            continue
+        for k in set(range(len(sources))) - set(hit):
+            s = sources[k]
+            if s.grad is None and s.requires_grad:
+                s.grad = torch.zeros_like(s)
+        with torch.no_grad():
+            totals = reduce_add(rows, sources[0].device, stats=stats)  # never a leaf's .grad
+            for k, total in zip(hit, totals):
+                s = sources[k]
+                if s.grad is None:
+                    s.grad = total
+                else:
+                    s.grad += total
+        received += len(hit)
+    return received
+
+
+class Reducer:
+    """The gradient side of one replica set (DDP's ``Reducer``, in one process): which sources
+    each reduce node serves, the nodes (made once per tensor set with the extension, every step
+    without: NOTE [ Early reduction ]), whether the last step's graph still needs them,
+    unreached buckets (NOTE [ Unreached buckets ]) and the leaves of NOTE [ no_sync ].
+    Communication is the transports' (NOTE [ Transports ] in ``fastdp/_transports.py``). The
+    replica set owns the replica tensors and calls ``link`` when they are new, ``arm`` once a
+    step and ``graph_alive`` before it overwrites them."""
+
+    def __init__(
+        self,
+        sources: list[torch.Tensor],
+        dest: torch.device,
+        buckets: list[list[int]],
+        stats: dict[str, int] | None,
+        native: bool,
+    ) -> None:
+        self.sources, self.dest, self.stats, self.native = sources, dest, stats, native
+        # one node per bucket with the extension, else one for all (NOTE [ Unreached buckets ])
+        self.buckets = buckets if native else ([list(range(len(sources)))] if sources else [])
+        self.group = BucketGroup([[sources[i] for i in b] for b in self.buckets])
+        self.pending = Pending(False)
+        self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
+        self._rows: tuple = (None, [])  # (tensors, per bucket (rows, sources))
+        self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
+        self.marks: tuple = ()
+
+    def start_step(self) -> None:
+        self.group.reset()
+
+    def link(self, tensors: list[list[torch.Tensor]], pending: Pending | None = None) -> None:
+        """One reduce node per bucket (grad mode on), whose outputs are ``tensors`` (per replica,
+        one per source) themselves."""
+        self.pending = Pending(False) if pending is None else pending
+        self.probes = []
+        if self._rows[0] is not tensors:  # per tensor set, not per step
+            self._rows = (
+                tensors,
+                [
+                    ([[row[i] for i in b] for row in tensors], [self.sources[i] for i in b])
+                    for b in self.buckets
+                ],
+            )
+        with torch.enable_grad(), torch.inference_mode(False):
+            for b, (rows, sources) in enumerate(self._rows[1]):
+                link_bucket(
+                    BucketLink(b, sources, self.dest, self.stats, self.pending, self.group),
+                    rows,
+                    sources,
+                    native=self.native,
+                )
+        ext = _backend.ext()
+        if self.native and ext is not None:
+            for bucket in self.buckets:
+                probe = next(
+                    (tensors[0][i] for i in bucket if tensors[0][i].grad_fn is not None), None
+                )
+                if probe is not None:
+                    self.probes.append((probe, ext.grad_fn_use_count(probe)))
+
+    def arm(self, tensors: list[list[torch.Tensor]], grad: bool) -> None:
+        """This step's forward runs on ``tensors`` and its backward reduces (``grad``), or not."""
+        if not grad:
+            self.pending.value = False
+        elif self.native:  # the nodes made by link() serve every step
+            self.pending.value = True
+        else:
+            self.link(tensors, Pending(True))
+
+    def graph_alive(self) -> bool:
+        """Whether the last step's graph may still need the current tensors."""
+        if not self.pending.value:
+            return False
+        if not self.native:
+            return True  # no owner counts without the extension: be conservative
+        ext = _backend.ext()
+        return any(ext.grad_fn_use_count(t) > base for t, base in self.probes)
+
+    def new_leaves(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
+        """Leaves on ``tensors`` for a ``no_sync`` cycle; gradients pending on the old ones move
+        to them."""
+        old = self.leaves
+        self.leaves = make_leaves(tensors, self.sources)
+        if in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
+            mark_static(self.leaves)
+        for new_row, old_row in zip(self.leaves, old or ()):
+            for new, leaf in zip(new_row, old_row):
+                new.grad = leaf.grad
+
+    def start_cycle(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
+        """The first micro-step of a ``no_sync`` cycle: nothing linked, fresh leaves."""
+        self.pending.value = False
+        self.new_leaves(tensors, in_order)
+        self.marks = grad_marks(self.sources)
+
+    def drop_if_zeroed(self) -> None:
+        """A ``zero_grad()`` since the last micro-step drops the pending gradients."""
+        if grad_marks(self.sources) != self.marks:
+            self.drop_pending()
+            self.marks = grad_marks(self.sources)
+
+    def drop_pending(self, zeros: bool = False) -> None:
+        """Forget the pending gradients; ``zeros``: ``zero_grad(set_to_none=False)``, which
+        leaves zeros where plain accumulation would have had a gradient."""
+        rows = self.leaves or ()
+        if zeros and any(leaf.grad is not None for row in rows for leaf in row):
+            for s in self.sources:  # a reduce gives every source a gradient (zeros if unused)
+                if s.grad is None and s.requires_grad:
+                    s.grad = torch.zeros_like(s)
+        for row in rows:
+            for leaf in row:
+                leaf.grad = None
+
+    def take_pending(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
+        """The leaves with their gradients (None if ``zero_grad`` dropped them), ending the
+        cycle: the next ``no_sync`` micro-step makes fresh leaves."""
+        leaves, self.leaves = self.leaves, None
+        if leaves is None or grad_marks(self.sources) != self.marks:
+            return None
+        return self.sources, leaves

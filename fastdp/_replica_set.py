@@ -21,9 +21,8 @@ import torch
 from torch.nn import Module
 
 from fastdp import _backend, _buckets
-from fastdp._accumulate import _HOOKS, _VERSION, LeafAccumulation, has_grad_hooks, make_leaves
 from fastdp._compiled import compile_root, is_compiled, mark_static
-from fastdp._reducer import BucketGroup, BucketLink, Pending, link_bucket
+from fastdp._reducer import _HOOKS, _VERSION, Reducer, has_grad_hooks
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.replicate import check_replicatable, clone_tree, finish_tree, point_parameter
 
@@ -79,8 +78,9 @@ class NotCacheable(Exception):
     """The module cannot have persistent replicas (TorchScript modules); replicate afresh."""
 
 
-class ReplicaSet(LeafAccumulation):
-    """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals)."""
+class ReplicaSet:
+    """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals): the module
+    copies, their tensors and slots; the gradient side is ``self.reducer`` (``Reducer``)."""
 
     def __init__(
         self,
@@ -108,13 +108,8 @@ class ReplicaSet(LeafAccumulation):
         self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
         self.alias = not _buckets.cpu_distinct()
         self.linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
-        self.pending = Pending(False)
-        self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
-        self._bucket_rows: tuple = (None, [])  # (tensors, per bucket (rows, sources))
-        self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
         self.in_order = False  # NOTE [ Compiled replicas run in order ]
-        self.leaf_mode = False
-        self.marks: tuple = ()
+        self.leaf_mode = False  # the slots point at the reducer's no_sync leaves
         self.held: list[torch.Tensor] = []  # what the replicas held when last sealed
         self.held_ptrs: list[int] | bytes = []  # bytes: packed by the extension
         self.held_check: Any = None  # the extension's held_changed, where it sealed
@@ -127,10 +122,12 @@ class ReplicaSet(LeafAccumulation):
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self.tensors = self._new_tensors()
             self._new_buffer_copies()
-        self.group = BucketGroup([[self.sources[i] for i in b] for b in self._node_buckets()])
+        self.reducer = Reducer(
+            self.sources, self.src_device, self.layout.buckets, stats, native=self.linked
+        )
         self.replicas = self._build()
         if self.linked and self.any_grad:
-            self._link()
+            self.reducer.link(self.tensors)
         self.originals = snapshot(module_dicts(self.modules))  # after building (it writes)
         self.signature = tensor_signature(self.watched)
         self.verified: Any = None  # see valid()
@@ -160,43 +157,6 @@ class ReplicaSet(LeafAccumulation):
             self.buffers, self.devices, range(1, len(self.devices)), self.cap_bytes
         )
         self.buffer_copies = [self.buffer_layout.rows[j] for j in range(1, len(self.devices))]
-
-    def _node_buckets(self) -> list[list[int]]:
-        """The sources of each reduce node: one per bucket with the extension, else one for all
-        (NOTE [ Unreached buckets ] in fastdp/_reducer.py)."""
-        if self.linked:
-            return self.layout.buckets
-        return [list(range(len(self.sources)))] if self.sources else []
-
-    def _link(self, pending: Pending | None = None) -> None:
-        """One ``BucketReduce`` node per bucket (grad mode on), outputs the persistent tensors."""
-        self.pending = Pending(False) if pending is None else pending
-        self.probes = []
-        if self._bucket_rows[0] is not self.tensors:  # per tensor set, not per step
-            self._bucket_rows = (
-                self.tensors,
-                [
-                    ([[row[i] for i in b] for row in self.tensors], [self.sources[i] for i in b])
-                    for b in self._node_buckets()
-                ],
-            )
-        with torch.enable_grad(), torch.inference_mode(False):
-            for b, (rows, sources) in enumerate(self._bucket_rows[1]):
-                link_bucket(
-                    BucketLink(b, sources, self.src_device, self.stats, self.pending, self.group),
-                    rows,
-                    sources,
-                    native=self.linked,
-                )
-        ext = _backend.ext()
-        if self.linked and ext is not None:
-            for bucket in self.layout.buckets:
-                probe = next(
-                    (self.tensors[0][i] for i in bucket if self.tensors[0][i].grad_fn is not None),
-                    None,
-                )
-                if probe is not None:
-                    self.probes.append((probe, ext.grad_fn_use_count(probe)))
 
     def _build(self) -> list[Module]:
         src_index = {t: k for k, t in enumerate(self.sources)}
@@ -297,15 +257,6 @@ class ReplicaSet(LeafAccumulation):
         """Copy the originals into the copy rows (no autograd): one broadcast per bucket."""
         self.layout.refresh(self.sources, self.stats)
 
-    def _graph_alive(self) -> bool:
-        """Whether the last step's graph may still need the current tensors."""
-        if not self.pending.value:
-            return False
-        if not self.linked:
-            return True  # no owner counts without the extension: be conservative
-        ext = _backend.ext()
-        return any(ext.grad_fn_use_count(t) > base for t, base in self.probes)
-
     def _renew(self) -> None:
         """Fresh replica tensors (and, on the extension path, fresh nodes)."""
         self.tensors = self._new_tensors()
@@ -313,7 +264,7 @@ class ReplicaSet(LeafAccumulation):
             mark_static(self.tensors)
         self._assign()
         if self.linked and self.any_grad:
-            self._link()
+            self.reducer.link(self.tensors)
 
     def _renew_buffers(self) -> None:
         """Fresh buffer copies for replicas 1.. (the old ones stay with the pending graph)."""
@@ -347,7 +298,7 @@ class ReplicaSet(LeafAccumulation):
         """This step's replicas: tensors refreshed from the originals, autograd linked (on
         leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
         self._count_buckets()
-        self.group.reset()
+        self.reducer.start_step()
         if self._tainted():  # first: what the last forward's replicas held, as sealed
             self._renew_all()
         elif self.attrs.undo_forward_writes():
@@ -366,19 +317,13 @@ class ReplicaSet(LeafAccumulation):
             return Replicas(self._refresh_no_sync(), self)
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
-        if self._graph_alive():  # a live graph may still need the copies' old values
+        if self.reducer.graph_alive():  # a live graph may still need the copies' old values
             if not self.linked or self.copy_rows:
                 self._renew()
             self._renew_buffers()
         self._copy_buffers()
         self.copy_sources()
-        if self.any_grad and torch.is_grad_enabled():
-            if self.linked:  # the nodes made by _link() serve every step
-                self.pending.value = True
-            else:
-                self._link(Pending(True))
-        else:
-            self.pending.value = False
+        self.reducer.arm(self.tensors, self.any_grad and torch.is_grad_enabled())
         self.seal()
         return Replicas(self.replicas, self)
 
@@ -436,14 +381,48 @@ class ReplicaSet(LeafAccumulation):
     def _renew_all(self) -> None:
         """Fresh tensors for every replica (NOTE [ Tensors a forward changed ]); gradients
         pending under ``no_sync`` move to fresh leaves."""
-        old = self.leaves
         self._renew()
         self._renew_buffers()
         self.copied = None  # the fresh copies are filled by this refresh
-        if old is not None:
-            self.leaves = make_leaves(self.tensors, self.sources)
-            if self.in_order:
-                mark_static(self.leaves)
-            for new_row, old_row in zip(self.leaves, old):
-                for new, leaf in zip(new_row, old_row):
-                    new.grad = leaf.grad
+        if self.reducer.leaves is not None:
+            self.reducer.new_leaves(self.tensors, self.in_order)
+
+    @property
+    def leaves(self) -> list[list[torch.Tensor]] | None:
+        """The replicas' leaves of this ``no_sync`` cycle (None outside one)."""
+        return self.reducer.leaves
+
+    def _refresh_no_sync(self) -> list[Module]:
+        """A micro-step under ``no_sync``: replicas on the reducer's leaves, nothing linked or
+        reduced (NOTE [ no_sync ] in fastdp/_reducer.py)."""
+        first = self.reducer.leaves is None
+        versions = list(map(_VERSION, self.sources)) if self.copy_rows else None
+        if first:
+            if self.reducer.graph_alive() and (self.copy_rows or not self.linked):
+                self._renew()
+            self.reducer.start_cycle(self.tensors, self.in_order)
+        else:
+            self.reducer.drop_if_zeroed()
+            if versions != self.copied:  # pending graphs may still need the old copies
+                self._renew_all()
+        if not self.leaf_mode:
+            self._assign(self.reducer.leaves)
+        self._copy_buffers()
+        if first or versions != self.copied:
+            with torch.no_grad():
+                self.copy_sources()
+            self.copied = versions
+        self.seal()
+        return self.replicas
+
+    def drop_pending(self, zeros: bool = False) -> None:
+        """``zero_grad()``: the gradients pending under ``no_sync`` go (see ``Reducer``)."""
+        self.reducer.drop_pending(zeros)
+
+    def take_pending(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
+        """The pending ``no_sync`` gradients for the fold (``Reducer.take_pending``); the slots go
+        back to the linked tensors."""
+        pending = self.reducer.take_pending()
+        if self.leaf_mode:
+            self._assign()
+        return pending

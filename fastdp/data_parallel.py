@@ -21,7 +21,6 @@ from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _buckets, _launch, _torch_private, _transports
-from fastdp._accumulate import fold
 from fastdp._compiled import (
     backward_with_forward,
     context_from_options,
@@ -30,6 +29,7 @@ from fastdp._compiled import (
 )
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
+from fastdp._reducer import fold
 from fastdp._replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._runners import raise_first_error
 from fastdp._snapshots import module_dicts, snapshot
@@ -289,7 +289,7 @@ class FastDataParallel(DataParallel):
         gradients on the replica, unreduced; the first grad-enabled forward outside folds them
         into the originals' ``.grad``, so after its backward ``.grad`` equals plain gradient
         accumulation. Saves one cross-device reduce of all parameters per micro-step. See
-        NOTE [ no_sync ] in ``fastdp/_accumulate.py``."""
+        NOTE [ no_sync ] in ``fastdp/_reducer.py``."""
         old, self._no_sync = self._no_sync, True
         try:
             yield

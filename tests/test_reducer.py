@@ -114,9 +114,8 @@ def test_every_reduction_goes_through_reduce_add(monkeypatch, distinct):
             calls.append("native")
         return real_ran(self, local, fresh)
 
-    monkeypatch.setattr(fastdp._reducer, "reduce_add", counting)
+    monkeypatch.setattr(fastdp._reducer, "reduce_add", counting)  # nodes and no_sync's fold
     monkeypatch.setattr(fastdp._reducer.BucketLink, "ran", native)
-    monkeypatch.setattr(fastdp._accumulate, "reduce_add", counting)
     monkeypatch.setattr(comm, "reduce_add", counting)
     x = torch.randn(8, 32)
     for persistent in (True, False):  # bucket nodes; persistent=False's Broadcast backward
