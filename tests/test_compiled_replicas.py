@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import fastdp
+from fastdp import _torch_private
 from fastdp.testing import HAS_CUDA
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -139,3 +140,20 @@ def test_replicas_on_every_gpu_stay_compiled_through_eval_and_partial_batches(ca
     dp(torch.randn(4 * n - 2, 8, device="cuda"))
     assert set(calls) == {threading.get_ident()}
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+def test_the_backward_lowering_flag_is_restored_after_each_step():
+    """NOTE [ Backward compiled with the forward ]: the user's value of functorch's flag is back
+    after every step (its effect inside: the test above), and True set by the user stays."""
+    cfg = _torch_private.functorch_config()
+    name = "force_non_lazy_backward_lowering"
+    dp = fastdp.FastDataParallel(torch.compile(nn.Linear(8, 4), backend="eager"), ["cpu"] * 2)
+    before = getattr(cfg, name)
+    dp(torch.randn(4, 8)).sum().backward()
+    assert getattr(cfg, name) == before
+    setattr(cfg, name, True)
+    try:
+        dp(torch.randn(4, 8)).sum().backward()
+        assert getattr(cfg, name) is True
+    finally:
+        setattr(cfg, name, before)
