@@ -198,11 +198,13 @@ class BucketGroup:
 
     def bucket_ran(self, b: int) -> None:
         """Bucket ``b``'s node runs in the current backward."""
+        if len(self.sources) < 2:  # one bucket: it cannot go unreached
+            return
         task = _torch_private.current_graph_task_id()
         if task != self.task:
             self.task, self.ran, self.queued = task, set(), False
         self.ran.add(b)
-        if self.queued or len(self.sources) < 2:
+        if self.queued:
             return
         self.queued = True
         ext = _backend.ext()
