@@ -86,16 +86,24 @@ def test_bucket_cap_mb_must_be_positive():
 
 
 @pytest.mark.parametrize("mode", ["distinct", "alias"])
-def test_buckets_reduce_while_earlier_layers_are_still_in_backward(monkeypatch, mode):
+@pytest.mark.parametrize("launch", ["threads", "inline"])
+def test_buckets_reduce_while_earlier_layers_are_still_in_backward(monkeypatch, mode, launch):
+    """CPU replicas share one autograd ready queue, which runs the highest sequence number
+    first. Forwards on threads interleave, so every replica's layer 0 runs after the last
+    layers' bucket reduced; forwards in turn give replica 0 the lowest numbers, so the other
+    replicas' whole backwards run first, and the buckets reduce during replica 0's (on GPUs each
+    device has its own queue and the order does not matter)."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if mode == "distinct" else "0")
     model = _mlp(6, width=256)  # 257 KiB per layer: a 1 MiB cap gives >= 3 buckets
-    fdp = FastDataParallel(model, device_ids=["cpu"] * 4, bucket_cap_mb=0.5)
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 4, bucket_cap_mb=0.5, launch=launch)
     seen = []
     model[0].register_full_backward_pre_hook(lambda m, g: seen.append(fdp.comm_stats()["reduces"]))
     fdp(torch.randn(8, 256, requires_grad=True)).sum().backward()
     stats = fdp.comm_stats()
     assert stats["buckets"] >= 3 and stats["reduces"] == stats["buckets"]
-    assert seen and min(seen) >= 1  # bucket(s) of the last layers reduced before layer 0 ran
+    assert len(seen) == 4  # bucket(s) of the last layers reduced before replica 0's layer 0 ran
+    assert (min(seen) if launch == "threads" else seen[-1]) >= 1
+    assert seen[-1] < stats["buckets"]  # ...and layer 0's own bucket after it
 
 
 def test_every_reduction_goes_through_reduce_add(monkeypatch, distinct):
