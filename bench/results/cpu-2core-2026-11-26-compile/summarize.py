@@ -1,4 +1,4 @@
-"""x compiled floor per run and mode (fastdp_compiled, fastdp_wrapper), from each run's results.json."""
+"""x compiled floor per run and mode (fastdp_compiled, fastdp_wrapper), from results.json."""
 
 import glob
 import json
