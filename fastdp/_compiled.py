@@ -151,7 +151,9 @@ def budget_for(num_replicas: int) -> None:
 # and inductor's compile is not thread-safe. ``backward_with_forward()`` sets functorch's
 # ``force_non_lazy_backward_lowering`` around the in-order forwards, so each backward is compiled
 # with its forward, in turn, on the caller's thread (a forward never run backward still pays for
-# its backward's compile: the price of no lock in backward).
+# its backward's compile: the price of no lock in backward). Only for sets with copy rows
+# (replicas on other devices, or CPU replicas under FASTDP_CPU_DISTINCT=1, which stand in for
+# them): replicas sharing the originals' device have one autograd thread, so lazy is safe there.
 # Set and restored as ``cfg.patch`` does (prior value back), without the class ``patch`` builds
 # per call (34 us a step; the two writes cost 9), and not at all where it is on already.
 @contextmanager

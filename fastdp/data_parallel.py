@@ -6,6 +6,7 @@ nn.DataParallel*.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -254,10 +255,13 @@ class FastDataParallel(DataParallel):
         self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any], kwargs: Sequence[Any]
     ) -> list[Any]:
         on = {"devices": plan.devices[: len(inputs)]} if plan.custom_split else {}
-        if _launch.must_run_in_order(replicas):  # NOTE [ Compiled replicas run in order ]
-            with backward_with_forward():  # NOTE [ Backward compiled with the forward ]
-                return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
         rs = getattr(replicas, "replica_set", None)
+        if _launch.must_run_in_order(replicas):  # NOTE [ Compiled replicas run in order ]
+            # NOTE [ Backward compiled with the forward ]: where backwards may run on several
+            # threads (copy rows: other devices, or CPU replicas standing in for them)
+            eager_bw = rs is None or bool(rs.copy_rows)
+            with backward_with_forward() if eager_bw else contextlib.nullcontext():
+                return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
         if rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
             return self.parallel_apply(replicas, inputs, kwargs, **on)
         with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks

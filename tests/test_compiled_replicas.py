@@ -104,7 +104,8 @@ def _recording_backend(calls: list):
 
 
 @pytest.mark.parametrize("form", ["torch.compile", "wrapper.compile"])
-def test_backward_is_compiled_by_the_forward_on_the_callers_thread(form):
+def test_backward_is_compiled_by_the_forward_on_the_callers_thread(form, monkeypatch):
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")  # replicas as on distinct devices
     calls: list = []
     net, ref = Tagged(), Tagged()
     net.tag = ref.tag = 1
@@ -142,9 +143,23 @@ def test_replicas_on_every_gpu_stay_compiled_through_eval_and_partial_batches(ca
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
 
 
-def test_the_backward_lowering_flag_is_restored_after_each_step():
+def test_replicas_on_one_device_compile_their_backward_lazily(monkeypatch):
+    """NOTE [ Backward compiled with the forward ]: replicas sharing the originals' device have
+    one autograd thread, so functorch's lazy backward compile stays (no per-step flag)."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0")
+    calls: list = []
+    net = Tagged()
+    dp = fastdp.FastDataParallel(torch.compile(net, backend=_recording_backend(calls)), ["cpu"] * 2)
+    out = dp(torch.randn(6, 8))
+    assert calls == []
+    out.sum().backward()
+    assert calls and set(calls) == {threading.get_ident()}
+
+
+def test_the_backward_lowering_flag_is_restored_after_each_step(monkeypatch):
     """NOTE [ Backward compiled with the forward ]: the user's value of functorch's flag is back
     after every step (its effect inside: the test above), and True set by the user stays."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
     cfg = _torch_private.functorch_config()
     name = "force_non_lazy_backward_lowering"
     dp = fastdp.FastDataParallel(torch.compile(nn.Linear(8, 4), backend="eager"), ["cpu"] * 2)
