@@ -240,8 +240,11 @@ class BucketLink:
         stats: dict[str, int] | None,
         pending: Pending,
         group: BucketGroup,
+        nbytes: int | None = None,
     ) -> None:
-        self.index, self.n, self.nbytes = index, len(sources), sum(map(tensor_bytes, sources))
+        if nbytes is None:
+            nbytes = sum(map(tensor_bytes, sources))
+        self.index, self.n, self.nbytes = index, len(sources), nbytes
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
 
     def ran(self, local: bool, fresh: int) -> None:
@@ -388,10 +391,12 @@ class Reducer:
         self.sources, self.dest, self.stats, self.native = sources, dest, stats, native
         # one node per bucket with the extension, else one for all (NOTE [ Unreached buckets ])
         self.buckets = buckets if native else ([list(range(len(sources)))] if sources else [])
-        self.group = BucketGroup([[sources[i] for i in b] for b in self.buckets])
+        per_bucket = [[sources[i] for i in b] for b in self.buckets]
+        self.group = BucketGroup(per_bucket)
+        self.bucket_sources = [(s, sum(map(tensor_bytes, s))) for s in per_bucket]  # and bytes
         self.pending = Pending(False)
         self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
-        self._rows: tuple = (None, [])  # (tensors, per bucket (rows, sources))
+        self._rows: tuple = (None, [])  # (tensors, per bucket (rows, sources, bytes))
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
         self.marks: tuple = ()
 
@@ -407,14 +412,14 @@ class Reducer:
             self._rows = (
                 tensors,
                 [
-                    ([[row[i] for i in b] for row in tensors], [self.sources[i] for i in b])
-                    for b in self.buckets
+                    ([[row[i] for i in b] for row in tensors], sources, size)
+                    for b, (sources, size) in zip(self.buckets, self.bucket_sources)
                 ],
             )
         with torch.enable_grad(), torch.inference_mode(False):
-            for b, (rows, sources) in enumerate(self._rows[1]):
+            for b, (rows, sources, size) in enumerate(self._rows[1]):
                 link_bucket(
-                    BucketLink(b, sources, self.dest, self.stats, self.pending, self.group),
+                    BucketLink(b, sources, self.dest, self.stats, self.pending, self.group, size),
                     rows,
                     sources,
                     native=self.native,
