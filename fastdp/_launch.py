@@ -45,7 +45,6 @@ __all__ = [
     "input_key",
     "run_together",
     "must_run_together",
-    "must_run_in_order",
     "for_replicas",
 ]
 
@@ -249,6 +248,7 @@ class Auto(Strategy):
 
 
 _STRATEGIES = {"threads": lambda: THREADS, "inline": lambda: INLINE, "auto": Auto}
+FIXED: dict[str, Strategy] = {"threads": THREADS, "inline": INLINE}  # stateless: shared
 LAUNCHES = tuple(_STRATEGIES)
 
 
@@ -274,7 +274,7 @@ def make(launch: str | None) -> Strategy:
 # forever for a replica that has not started if run in turn. ``prepare_replicas`` marks such
 # replicas (``run_together``) for the duration of its ``with`` block; the mark is on the replicas
 # themselves (the first one's ``__dict__``, not a submodule or state), and marked replicas always
-# run on threads. Compiled replica sets run in order instead (``must_run_in_order``).
+# run on threads. Compiled replica sets run in order instead (``ReplicaSet.in_order``).
 _TOGETHER = "_fastdp_run_together"
 
 
@@ -291,13 +291,6 @@ def must_run_together(modules: Sequence[Module]) -> bool:
     """Whether ``modules`` were marked by ``run_together`` (NOTE [ Replicas that must run at
     once ])."""
     return bool(modules) and _TOGETHER in modules[0].__dict__
-
-
-def must_run_in_order(replicas: Sequence[Module]) -> bool:
-    """Whether ``replicas`` are a compiled replica set that runs inline on the caller's thread
-    (NOTE [ Compiled replicas run in order ] in ``fastdp/_compiled.py``)."""
-    rs = getattr(replicas, "replica_set", None)
-    return rs is not None and rs.in_order
 
 
 def for_replicas(strategy: Strategy, modules: Sequence[Module]) -> Strategy:

@@ -180,10 +180,6 @@ class StepPlan:
     custom_split: bool = False  # devices/sizes differ from the wrapper's defaults
     verified: Any = None  # NOTE [ One signature per step ] in fastdp/data_parallel.py
 
-    def scatter_options(self) -> dict[str, Any]:
-        """The scatter's keyword for the chunk sizes (none: torch.chunk's)."""
-        return {} if self.sizes is None else {"chunk_sizes": self.sizes}
-
     def chunk_rows(self, n: int) -> list[int] | None:
         """Batch rows of the first ``n`` replicas (None when no tensor input fixed them)."""
         if self.sizes is not None:

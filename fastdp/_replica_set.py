@@ -150,6 +150,7 @@ class ReplicaSet:
             self.layout = _buckets.Layout(
                 self.sources, self.devices, self.copy_rows, self.cap_bytes
             )
+            self.n_buckets = 0  # counted again by the next refresh
             rest = [
                 self.layout.rows[j]
                 if j in self.layout.rows
@@ -163,6 +164,7 @@ class ReplicaSet:
         self.buffer_layout = _buckets.Layout(
             self.buffers, self.devices, range(1, len(self.devices)), self.cap_bytes
         )
+        self.n_buckets = 0
         self.buffer_copies = [self.buffer_layout.rows[j] for j in range(1, len(self.devices))]
 
     def _build(self) -> list[Module]:
@@ -295,16 +297,17 @@ class ReplicaSet:
         if len(self.devices) > 1:
             self.buffer_layout.add_memory(out)
 
-    def _count_buckets(self) -> None:
-        if self.stats is not None:
-            self.stats["buckets"] = len(self.layout.buckets) + (
-                len(self.buffer_layout.buckets) if len(self.devices) > 1 else 0
-            )
+    def _count_buckets(self) -> int:
+        self.n_buckets = len(self.layout.buckets) + (
+            len(self.buffer_layout.buckets) if len(self.devices) > 1 else 0
+        )
+        return self.n_buckets
 
     def refresh(self, no_sync: bool = False) -> list[Module]:
         """This step's replicas: tensors refreshed from the originals, autograd linked (on
         leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
-        self._count_buckets()
+        if self.stats is not None:
+            self.stats["buckets"] = self.n_buckets or self._count_buckets()
         self.reducer.start_step()
         if self._tainted():  # first: what the last forward's replicas held, as sealed
             self._renew_all()
@@ -329,9 +332,11 @@ class ReplicaSet:
                 self._renew()
             self._renew_buffers()
         self._copy_buffers()
-        self.copy_sources()
+        if self.copy_rows:
+            self.copy_sources()
         self.reducer.arm(self.tensors, self.any_grad and torch.is_grad_enabled())
-        self.seal()
+        if self.reseal or self.attrs.snap is None:
+            self.seal()
         return Replicas(self.replicas, self)
 
     def seal(self) -> None:

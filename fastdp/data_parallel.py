@@ -207,7 +207,8 @@ class FastDataParallel(DataParallel):
             plan = self._plan(inputs, kwargs, ctx)
             if plan.unreplicated:
                 return self._direct(self._module_for(ctx)(*inputs, **kwargs), plan)
-            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **plan.scatter_options())
+            split = {} if plan.sizes is None else {"chunk_sizes": plan.sizes}
+            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **split)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
@@ -218,7 +219,7 @@ class FastDataParallel(DataParallel):
                 replicas = self._replicate_step(plan, len(inputs))
                 outputs = self._launch_step(plan, replicas, inputs, module_kwargs)
                 rs = getattr(replicas, "replica_set", None)
-                if rs is not None:
+                if rs is not None and rs.shared_frozen:
                     rs.after_launch()
             finally:
                 self._step_lock.release()
@@ -256,7 +257,7 @@ class FastDataParallel(DataParallel):
     ) -> list[Any]:
         on = {"devices": plan.devices[: len(inputs)]} if plan.custom_split else {}
         rs = getattr(replicas, "replica_set", None)
-        if _launch.must_run_in_order(replicas):  # NOTE [ Compiled replicas run in order ]
+        if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
             # NOTE [ Backward compiled with the forward ]: where backwards may run on several
             # threads (copy rows: other devices, or CPU replicas standing in for them)
             eager_bw = rs is None or bool(rs.copy_rows)
@@ -424,7 +425,7 @@ class FastDataParallel(DataParallel):
         replicas = rs.refresh(self._no_sync)
         if rs.leaf_mode:
             self.no_sync_stats["micro_steps"] += 1
-        if rs.leaves is not None:  # under no_sync: fold at the next step outside
+        if rs.reducer.leaves is not None:  # under no_sync: fold at the next step outside
             self._pending_sets[id(rs)] = rs
         return replicas
 
@@ -471,7 +472,7 @@ class FastDataParallel(DataParallel):
             devices = self._devices[: len(replicas)]
         strategy = self.strategy
         if launch is not None and launch != strategy.name:
-            strategy = _launch.make(launch)
+            strategy = _launch.FIXED.get(launch) or _launch.make(launch)
         strategy = _launch.for_replicas(strategy, replicas)  # NOTE [ ... run at once ]
         if not self.persistent or len(replicas) < 2:
             name = "threads" if strategy.name == "auto" else strategy.name

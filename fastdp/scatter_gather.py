@@ -163,13 +163,12 @@ def _split_tensors(
             return None
         dims.append(d)
     if chunk_sizes is None and len(inputs) == 1:  # the commonest call: one batch tensor
-        plan = [_chunk_sizes(inputs[0].size(dims[0]), len(devices))]
+        plan = [_chunk_sizes(inputs[0].size(d), len(devices))]
     else:
         inputs = list(inputs)
         plan = _plan_rows(inputs, dims, len(devices), chunk_sizes, on_drop)
-    chunks = [t.split_with_sizes(p, d) for t, p, d in zip(inputs, plan, dims)]
-    k = len(plan[0])
-    return tuple(tuple(c[r] for c in chunks) for r in range(k)), ({},) * k
+    chunks = list(map(torch.Tensor.split_with_sizes, inputs, plan, dims))
+    return tuple(zip(*chunks)), ({},) * len(plan[0])  # per replica, a tuple of its chunks
 
 
 @functools.lru_cache(maxsize=256)
@@ -262,6 +261,8 @@ def _same_structure(specs: list[tuple], path: str = "output") -> None:
 
 def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """``Gather``'s concatenation of one leaf on its own device (0-dim parts become a vector)."""
+    if dim or parts[0].dim():  # no 0-dim parts to view as vectors
+        return torch.cat(parts, dim)
     return torch.cat(vector_if_scalars(parts, dim)[0], dim)
 
 
