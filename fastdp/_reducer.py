@@ -249,13 +249,16 @@ class BucketLink:
 
     def ran(self, local: bool, fresh: int) -> None:
         """The node's backward starts (the C++ node sums ``local`` rows itself, ``fresh`` of
-        them into new tensors: NOTE [ Summing in place ] in csrc/bucket_reduce.cpp)."""
+        them into new tensors: NOTE [ Summing in place ] in csrc/bucket_reduce.cpp). Called
+        from the node's backward with the GIL taken for it: no call it can spare."""
         self.pending.value = False
-        self.group.bucket_ran(self.index)
-        if local:
-            count(self.stats, "reduce", self.nbytes)
-            if self.stats is not None:
-                self.stats["sums_out_of_place"] += fresh
+        if len(self.group.sources) > 1:  # one bucket cannot go unreached
+            self.group.bucket_ran(self.index)
+        stats = self.stats
+        if local and stats is not None:  # ``count(stats, "reduce", nbytes)``, inline
+            stats["reduces"] += 1
+            stats["bytes_reduced"] += self.nbytes
+            stats["sums_out_of_place"] += fresh
 
     def reduce_rows(self, rows: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         return reduce_add(rows, self.dest, stats=self.stats, nbytes=self.nbytes)
@@ -401,7 +404,9 @@ class Reducer:
         self.marks: tuple = ()
 
     def start_step(self) -> None:
-        self.group.reset()
+        g = self.group
+        if g.ran or g.queued or g.task is not None:  # the last backward's bookkeeping
+            g.reset()
 
     def link(self, tensors: list[list[torch.Tensor]], pending: Pending | None = None) -> None:
         """One reduce node per bucket (grad mode on), whose outputs are ``tensors`` (per replica,
