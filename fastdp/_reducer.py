@@ -399,7 +399,7 @@ class Reducer:
         self.bucket_sources = [(s, sum(map(tensor_bytes, s))) for s in per_bucket]  # and bytes
         self.pending = Pending(False)
         self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
-        self._rows: tuple = (None, [])  # (tensors, per bucket (rows, sources, bytes))
+        self._rows: tuple = (None, [])  # (tensors, per bucket its rows of them)
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
         self.marks: tuple = ()
 
@@ -416,13 +416,10 @@ class Reducer:
         if self._rows[0] is not tensors:  # per tensor set, not per step
             self._rows = (
                 tensors,
-                [
-                    ([[row[i] for i in b] for row in tensors], sources, size)
-                    for b, (sources, size) in zip(self.buckets, self.bucket_sources)
-                ],
+                [[[row[i] for i in b] for row in tensors] for b in self.buckets],
             )
         with torch.enable_grad(), torch.inference_mode(False):
-            for b, (rows, sources, size) in enumerate(self._rows[1]):
+            for b, (rows, (sources, size)) in enumerate(zip(self._rows[1], self.bucket_sources)):
                 link_bucket(
                     BucketLink(b, sources, self.dest, self.stats, self.pending, self.group, size),
                     rows,

@@ -260,8 +260,7 @@ class FastDataParallel(DataParallel):
         if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
             # NOTE [ Backward compiled with the forward ]: where backwards may run on several
             # threads (copy rows: other devices, or CPU replicas standing in for them)
-            eager_bw = rs is None or bool(rs.copy_rows)
-            with backward_with_forward() if eager_bw else contextlib.nullcontext():
+            with backward_with_forward() if rs.copy_rows else contextlib.nullcontext():
                 return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
         if rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
             return self.parallel_apply(replicas, inputs, kwargs, **on)
