@@ -177,12 +177,19 @@ class BucketGroup:
     NOTE [ Unreached buckets ]
     A bucket none of whose tensors took part in the forward is not reached by autograd, where
     DataParallel's single Broadcast node gives every parameter a gradient (zeros for unused
-    ones). So the first bucket node that runs in a backward (a graph task) asks the engine which
-    sources that backward accumulates into (every leaf for ``.backward()``, the named ones for
-    ``inputs=``, none for ``autograd.grad``) and queues an engine callback: when the backward
-    ends, those of the buckets that did not run get zeros where ``.grad`` is None and they
-    require grad. Without the extension the set links one node for all its sources, so no
-    bucket goes unreached.
+    ones). With the extension, the first bucket node that runs in a backward (a graph task) asks
+    the engine which sources that backward accumulates into (every leaf for ``.backward()``, the
+    named ones for ``inputs=``, none for ``autograd.grad``) and queues an engine callback: when
+    the backward ends, those of the buckets that did not run get zeros where ``.grad`` is None
+    and they require grad. Only C++ can ask that (``csrc/graph_task.cpp``: torch's Python
+    ``_will_engine_execute_node`` says False for a leaf the graph does not reach, named or not).
+    Without the extension a set of two or more buckets links one more node, the anchor
+    (``UnreachedAnchor``): its inputs are every source, its output is an input of every bucket
+    node, so any reached bucket reaches it and through it every source. It runs after the
+    bucket nodes and gives zeros to the sources of the buckets that did not run; the engine then
+    does with them what it does with DataParallel's zeros (accumulates, captures or drops them as
+    the backward asks). The cost: each source's ``AccumulateGrad`` waits for the anchor (the sums
+    are made early, stored at the end), and ~0.3 us a source a step to link it.
     """
 
     __slots__ = ("sources", "flat", "ran", "queued", "task")
@@ -196,26 +203,32 @@ class BucketGroup:
     def reset(self) -> None:
         self.ran, self.queued, self.task = set(), False, None
 
-    def bucket_ran(self, b: int) -> None:
-        """Bucket ``b``'s node runs in the current backward."""
-        if len(self.sources) < 2:  # one bucket: it cannot go unreached
-            return
+    def mark(self, b: int) -> set[int]:
+        """Bucket ``b``'s node runs in the current backward; the buckets that ran in it."""
         task = _torch_private.current_graph_task_id()
         if task != self.task:
             self.task, self.ran, self.queued = task, set(), False
         self.ran.add(b)
-        if self.queued:
+        return self.ran
+
+    def ran_in_this_backward(self) -> set[int]:
+        return self.ran if self.task == _torch_private.current_graph_task_id() else set()
+
+    def bucket_ran(self, b: int) -> None:
+        """Bucket ``b``'s extension node runs in the current backward."""
+        if len(self.sources) < 2:  # one bucket: it cannot go unreached
+            return
+        ran = self.mark(b)
+        ext = _backend.ext()
+        if self.queued or ext is None:
             return
         self.queued = True
-        ext = _backend.ext()
-        mode = 1 if ext is None else ext.graph_task_mode()
-        if mode == 1:
+        if ext.graph_task_mode() == 1:
             targets = [True] * len(self.flat)
         else:
             targets = ext.graph_task_accumulates(self.flat)
             if not any(targets):
                 return
-        ran = self.ran
         _torch_private.queue_engine_callback(lambda: self._zero_unreached(ran, targets))
 
     def _zero_unreached(self, ran: set[int], targets: list[bool]) -> None:
@@ -265,16 +278,17 @@ class BucketLink:
 
 
 class BucketReduce(Function):
-    """``BucketReduce.apply(link, rows, *sources)`` -> ``rows`` flattened row-major: the
+    """``BucketReduce.apply(link, rows, anchor, *sources)`` -> ``rows`` flattened row-major: the
     persistent replica tensors themselves become outputs of this node (see
-    NOTE [ Early reduction ]); backward sums them onto the sources with ``reduce_add``."""
+    NOTE [ Early reduction ]); backward sums them onto the sources with ``reduce_add``.
+    ``anchor``: the set's ``UnreachedAnchor`` output, None for a one-bucket set."""
 
     @staticmethod
-    def forward(ctx, link, rows, *sources):
+    def forward(ctx, link, rows, anchor, *sources):
         ctx.link = link
         outs = [t for row in rows for t in row]
         frozen = [
-            row[k] for k in range(len(sources)) if not ctx.needs_input_grad[2 + k] for row in rows
+            row[k] for k in range(len(sources)) if not ctx.needs_input_grad[3 + k] for row in rows
         ]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -285,9 +299,44 @@ class BucketReduce(Function):
     def backward(ctx, *grads):
         link = ctx.link
         link.pending.value = False
-        link.group.bucket_ran(link.index)
+        if len(link.group.sources) > 1:
+            link.group.mark(link.index)
         n = link.n
-        return (None, None, *link.reduce_rows([grads[j : j + n] for j in range(0, len(grads), n)]))
+        sums = link.reduce_rows([grads[j : j + n] for j in range(0, len(grads), n)])
+        return (None, None, ANCHOR_GRAD if ctx.needs_input_grad[2] else None, *sums)
+
+
+# What a bucket node gives its anchor: a tensor, not None, as compiled autograd adds up the
+# gradients an anchor receives (its graph takes every gradient for defined).
+ANCHOR_GRAD = torch.empty(0)
+
+
+class UnreachedAnchor(Function):
+    """``UnreachedAnchor.apply(group, *sources)`` -> an empty tensor that every bucket node of
+    the group takes as an input; backward gives zeros to the sources of the buckets that did
+    not run in it (NOTE [ Unreached buckets ], the path without the extension)."""
+
+    @staticmethod
+    def forward(ctx, group, *sources):
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        return sources[0].new_empty(0)
+
+    @staticmethod
+    @_torch_private.untraced
+    def backward(ctx, _):
+        group = ctx.group
+        ran = group.ran_in_this_backward()
+        if _torch_private.in_compiled_autograd():
+            ran = set()  # zeros for all: its graph adds them where it expects tensors
+        elif len(ran) == len(group.sources):
+            return (None,) * (1 + len(group.flat))
+        needs, out, k = ctx.needs_input_grad, [None], 0
+        for b, sources in enumerate(group.sources):
+            for s in sources:
+                k += 1
+                out.append(torch.zeros_like(s) if needs[k] and b not in ran else None)
+        return tuple(out)
 
 
 def link_bucket(
@@ -295,19 +344,20 @@ def link_bucket(
     rows: Sequence[Sequence[torch.Tensor]],
     sources: Sequence[torch.Tensor],
     native: bool = False,
+    anchor: torch.Tensor | None = None,
 ) -> Any:
     """Apply the bucket's node (grad mode on) and give it the earliest turn in backward.
 
     ``native``: the extension's C++ node (made once per tensor set: the Python Function's
     machinery costs ~2 us per gradient, which small models feel); else the ``BucketReduce``
-    Function above, the same sums."""
+    Function above, the same sums, with ``anchor`` (NOTE [ Unreached buckets ])."""
     ext = _backend.ext() if native else None
     if ext is not None:
         outs = ext.bucket_reduce_link(
             list(sources), [t for row in rows for t in row], link.dest, link.ran, link.reduce_rows
         )
     else:
-        outs = BucketReduce.apply(link, rows, *sources)
+        outs = BucketReduce.apply(link, rows, anchor, *sources)
     node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
     if node is not None:
         _torch_private.set_sequence_nr(node)
@@ -392,8 +442,7 @@ class Reducer:
         native: bool,
     ) -> None:
         self.sources, self.dest, self.stats, self.native = sources, dest, stats, native
-        # one node per bucket with the extension, else one for all (NOTE [ Unreached buckets ])
-        self.buckets = buckets if native else ([list(range(len(sources)))] if sources else [])
+        self.buckets = buckets
         per_bucket = [[sources[i] for i in b] for b in self.buckets]
         self.group = BucketGroup(per_bucket)
         self.bucket_sources = [(s, sum(map(tensor_bytes, s))) for s in per_bucket]  # and bytes
@@ -419,12 +468,16 @@ class Reducer:
                 [[[row[i] for i in b] for row in tensors] for b in self.buckets],
             )
         with torch.enable_grad(), torch.inference_mode(False):
+            anchor = None
+            if not self.native and len(self.buckets) > 1:  # NOTE [ Unreached buckets ]
+                anchor = UnreachedAnchor.apply(self.group, *self.group.flat)
             for b, (rows, (sources, size)) in enumerate(zip(self._rows[1], self.bucket_sources)):
                 link_bucket(
                     BucketLink(b, sources, self.dest, self.stats, self.pending, self.group, size),
                     rows,
                     sources,
                     native=self.native,
+                    anchor=anchor,
                 )
         ext = _backend.ext()
         if self.native and ext is not None:

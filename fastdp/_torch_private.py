@@ -29,6 +29,7 @@ __all__ = [
     "enclosing_dynamo_context",
     "disable_dynamo",
     "untraced",
+    "in_compiled_autograd",
 ]
 
 MAX_SEQUENCE_NR = 2**64 - 1
@@ -105,6 +106,13 @@ def enclosing_dynamo_context() -> Any:
             return ctx if isinstance(ctx, ef._TorchDynamoContext) else None
         f = f.f_back
     return None
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd runs the current backward (its graph takes every gradient a
+    Python node's backward returns for a tensor, so such a node must return tensors, not None)."""
+    ca = dynamo_module("compiled_autograd")
+    return ca is not None and bool(ca.in_compiled_autograd_region)
 
 
 def untraced(fn: Any) -> Any:

@@ -476,15 +476,53 @@ def test_a_bucket_of_unused_parameters_gets_zeros_as_in_dataparallel(monkeypatch
     model = _UnusedFirst()
     fdp = FastDataParallel(model, device_ids=["cpu"] * 2, bucket_cap_mb=0.2)
     fdp(torch.randn(4, 256)).sum().backward()
-    # one reduce node per bucket with the extension, one for all without (NOTE [ Unreached
-    # buckets ]); the unused bucket's node never runs
-    reduces = 2 if backend == "ext" else 1
-    assert fdp.comm_stats()["buckets"] == 3 and fdp.comm_stats()["reduces"] == reduces
+    # one reduce node per bucket; the unused bucket's node never runs (NOTE [ Unreached buckets ])
+    assert fdp.comm_stats()["buckets"] == 3 and fdp.comm_stats()["reduces"] == 2
     assert torch.equal(model.unused.weight.grad, torch.zeros(256, 256))
     assert model.a.weight.grad is not None
     model.zero_grad()
     torch.autograd.grad(fdp(torch.randn(4, 256)).sum(), [model.a.weight])
     assert model.unused.weight.grad is None and model.a.weight.grad is None  # nothing accumulated
+
+
+@pytest.mark.parametrize("mode", ["distinct", "alias"])
+def test_buckets_reduce_while_backward_runs(monkeypatch, backend, mode):
+    """Each bucket's node runs once its gradients exist (NOTE [ Early reduction ]), with or
+    without the extension: the last layers' bucket is summed before the first layer's backward
+    ends in the last replica the engine visits. One node for all would run only at the end,
+    keeping every replica's gradients alive until then (the heap trimming of
+    bench/results/cpu-2core-2026-11-26-final)."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if mode == "distinct" else "0")
+    model = _mlp(6, width=256)
+    fdp = FastDataParallel(model, device_ids=["cpu"] * 2, bucket_cap_mb=0.5)
+    seen = []
+    model[0].register_full_backward_pre_hook(lambda m, g: seen.append(fdp.comm_stats()["reduces"]))
+    fdp(torch.randn(8, 256)).sum().backward()
+    assert fdp.comm_stats()["buckets"] > 2 and len(seen) == 2
+    assert seen[-1] >= 1 and fdp.comm_stats()["reduces"] == fdp.comm_stats()["buckets"]
+
+
+@pytest.mark.parametrize("mode", ["distinct", "alias"])
+def test_autograd_grad_of_a_whole_unused_bucket(monkeypatch, backend, mode):
+    """Without the extension the unreached-bucket anchor gives DataParallel's zeros to
+    ``autograd.grad`` too; the extension's engine callback leaves it None (README, *Persistent
+    replicas*: the difference kept). Nothing accumulates into ``.grad`` either way."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if mode == "distinct" else "0")
+    x = torch.randn(4, 256)
+    got, net = [], _UnusedFirst()
+    for persistent in (True, False):
+        model = copy.deepcopy(net)
+        fdp = FastDataParallel(model, ["cpu"] * 2, bucket_cap_mb=0.2, persistent=persistent)
+        params = [model.unused.weight, model.a.weight]
+        got.append(torch.autograd.grad(fdp(x).sum(), params, allow_unused=True))
+        assert all(p.grad is None for p in model.parameters())
+    (unused, a), (fresh_unused, fresh_a) = got
+    assert_close(a, fresh_a)
+    assert torch.equal(fresh_unused, torch.zeros(256, 256))
+    if backend == "ext":
+        assert unused is None
+    else:
+        assert torch.equal(unused, fresh_unused)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -60,6 +60,29 @@ def test_engine_callbacks_and_graph_task_ids():
     assert seen[1] == seen[3] == "done" and seen[0] >= 0 and seen[2] > seen[0]
 
 
+def test_compiled_autograd_region_is_seen_from_a_python_nodes_backward():
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        @tp.untraced
+        def backward(ctx, g):
+            seen.append(tp.in_compiled_autograd())
+            return g
+
+    a = torch.ones(2, requires_grad=True)
+    Probe.apply(a).sum().backward()
+    with ca._enable(torch.compile(backend="eager")):
+        Probe.apply(a).sum().backward()
+    assert seen == [False, True] and not tp.in_compiled_autograd()
+    torch._dynamo.reset()
+
+
 def test_dynamo_contexts_are_found():
     dynamo = pytest.importorskip("torch._dynamo")
     ef = tp.dynamo_module("eval_frame")
