@@ -41,7 +41,6 @@ every micro-step's gradient, so such a set reduces each micro-step as outside ``
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,40 +183,22 @@ class BucketGroup:
     the backward ends, those of the buckets that did not run get zeros where ``.grad`` is None
     and they require grad. Only C++ can ask that (``csrc/graph_task.cpp``: torch's Python
     ``_will_engine_execute_node`` says False for a leaf the graph does not reach, named or not).
-    Without the extension, every bucket node of a set of two or more buckets also takes a probe:
-    an empty leaf nobody names, which a backward accumulates into exactly when it is a plain
-    ``.backward()`` (``_will_engine_execute_node`` on its ``AccumulateGrad``). Then the engine
-    callback zero-fills as above, every source being a target. Any other backward
-    (``autograd.grad``, ``inputs=``) leaves unreached buckets alone: Python cannot tell which
-    leaves ``inputs=`` named among those the graph does not reach (the engine's answer for them
-    is False, named or not), so if a bucket went unreached the set warns once and links an
-    anchor from the next step on (``UnreachedAnchor``): a node whose inputs are every source
-    and whose output every bucket node takes, so any reached bucket reaches every source
-    through it; it runs after the bucket nodes and gives zeros to the sources of those that did
-    not run, and the engine accumulates, captures or drops them as the backward asks, as it does
-    DataParallel's zeros. Not by default, because then every source's ``AccumulateGrad`` waits
-    for the anchor, the end of backward: the sums stay alive until then, which cost 8 % of CPU
-    time on mlp1000 (bench/results/cpu-2core-2026-11-26-anchor), as much as one node for all.
+    Without the extension a set of two or more buckets links one more node, the anchor
+    (``UnreachedAnchor``): its inputs are every source, its output is an input of every bucket
+    node, so any reached bucket reaches it and through it every source. It runs after the
+    bucket nodes and gives zeros to the sources of the buckets that did not run; the engine then
+    does with them what it does with DataParallel's zeros (accumulates, captures or drops them as
+    the backward asks). The cost: each source's ``AccumulateGrad`` waits for the anchor (the sums
+    are made early, stored at the end), and ~0.3 us a source a step to link it.
     """
 
-    __slots__ = ("sources", "flat", "ran", "queued", "task", "probe", "probe_node", "anchored")
+    __slots__ = ("sources", "flat", "ran", "queued", "task")
 
     def __init__(self, sources: list[list[torch.Tensor]]) -> None:
         self.sources = sources
         self.flat = [s for b in sources for s in b]
         self.ran: set[int] = set()
         self.queued, self.task = False, None
-        self.probe: torch.Tensor | None = None  # the path without the extension: see the NOTE
-        self.probe_node: Any = None
-        self.anchored = False
-
-    def make_probe(self) -> None:
-        """The probe leaf and its ``AccumulateGrad`` (held: the leaf holds it weakly)."""
-        with torch.inference_mode(False), torch.enable_grad():
-            self.probe = torch.empty(0, requires_grad=True)
-            self.probe_node = self.probe.view_as(self.probe).grad_fn.next_functions[0][0]
-        if not _torch_private.can_ask_engine():
-            self.anchored = True  # this torch cannot say: always exact
 
     def reset(self) -> None:
         self.ran, self.queued, self.task = set(), False, None
@@ -250,35 +231,6 @@ class BucketGroup:
                 return
         _torch_private.queue_engine_callback(lambda: self._zero_unreached(ran, targets))
 
-    def pure_bucket_ran(self, b: int, anchored: bool) -> None:
-        """Bucket ``b``'s Python node runs in the current backward; ``anchored``: its step linked
-        the anchor, which zero-fills (see the NOTE)."""
-        ran = self.mark(b)
-        if self.queued or anchored:
-            return
-        self.queued = True
-        if _torch_private.in_compiled_autograd() or _torch_private.will_engine_execute(
-            self.probe_node
-        ):
-            targets = [True] * len(self.flat)
-            _torch_private.queue_engine_callback(lambda: self._zero_unreached(ran, targets))
-        else:
-            _torch_private.queue_engine_callback(lambda: self._anchor_if_unreached(ran))
-
-    def _anchor_if_unreached(self, ran: set[int]) -> None:
-        if len(ran) == len(self.sources) or self.anchored:
-            return
-        self.anchored = True
-        warnings.warn(
-            "fastdp without its C++ extension: a torch.autograd.grad or backward(inputs=...) "
-            "did not reach every bucket of the replicas' parameters; where DataParallel gives "
-            "such a parameter zeros, this step left it None (autograd.grad: raises unless "
-            "allow_unused=True). From the next step this model's replicas give DataParallel's "
-            "zeros, with each parameter's .grad written at the end of backward. Building the "
-            "extension (pip install --no-build-isolation .) avoids both.",
-            stacklevel=1,
-        )
-
     def _zero_unreached(self, ran: set[int], targets: list[bool]) -> None:
         k = 0
         for b, sources in enumerate(self.sources):
@@ -291,7 +243,7 @@ class BucketGroup:
 class BucketLink:
     """What a bucket's node needs in backward; holds no replica tensor (no cycles)."""
 
-    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group", "anchored")
+    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group")
 
     def __init__(
         self,
@@ -307,7 +259,6 @@ class BucketLink:
             nbytes = sum(map(tensor_bytes, sources))
         self.index, self.n, self.nbytes = index, len(sources), nbytes
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
-        self.anchored = False  # the pure path's node, linked with the anchor (see BucketGroup)
 
     def ran(self, local: bool, fresh: int) -> None:
         """The node's backward starts (the C++ node sums ``local`` rows itself, ``fresh`` of
@@ -330,8 +281,7 @@ class BucketReduce(Function):
     """``BucketReduce.apply(link, rows, anchor, *sources)`` -> ``rows`` flattened row-major: the
     persistent replica tensors themselves become outputs of this node (see
     NOTE [ Early reduction ]); backward sums them onto the sources with ``reduce_add``.
-    ``anchor``: the set's ``UnreachedAnchor`` output or its probe leaf (NOTE [ Unreached
-    buckets ]), None for a one-bucket set."""
+    ``anchor``: the set's ``UnreachedAnchor`` output, None for a one-bucket set."""
 
     @staticmethod
     def forward(ctx, link, rows, anchor, *sources):
@@ -350,17 +300,15 @@ class BucketReduce(Function):
         link = ctx.link
         link.pending.value = False
         if len(link.group.sources) > 1:
-            link.group.pure_bucket_ran(link.index, link.anchored)
+            link.group.mark(link.index)
         n = link.n
         sums = link.reduce_rows([grads[j : j + n] for j in range(0, len(grads), n)])
         return (None, None, ANCHOR_GRAD if ctx.needs_input_grad[2] else None, *sums)
 
 
-# The anchor's output (and the probe), and what a bucket node gives them back: a tensor, not
-# None, as compiled autograd adds up the gradients they receive (its graph takes every gradient
-# for defined). On the CPU and float32 whatever the sources' device or the default dtype, so the
-# two always match (the engine checks a gradient's device against its input's).
-ANCHOR_GRAD = torch.empty(0, dtype=torch.float32)
+# What a bucket node gives its anchor: a tensor, not None, as compiled autograd adds up the
+# gradients an anchor receives (its graph takes every gradient for defined).
+ANCHOR_GRAD = torch.empty(0)
 
 
 class UnreachedAnchor(Function):
@@ -372,7 +320,7 @@ class UnreachedAnchor(Function):
     def forward(ctx, group, *sources):
         ctx.group = group
         ctx.set_materialize_grads(False)
-        return torch.empty(0, dtype=torch.float32)
+        return sources[0].new_empty(0)
 
     @staticmethod
     @_torch_private.untraced
@@ -520,17 +468,17 @@ class Reducer:
                 [[[row[i] for i in b] for row in tensors] for b in self.buckets],
             )
         with torch.enable_grad(), torch.inference_mode(False):
-            group, anchor = self.group, None
+            anchor = None
             if not self.native and len(self.buckets) > 1:  # NOTE [ Unreached buckets ]
-                if group.probe is None:
-                    group.make_probe()
-                anchor = group.probe
-                if group.anchored:
-                    anchor = UnreachedAnchor.apply(group, *group.flat)
+                anchor = UnreachedAnchor.apply(self.group, *self.group.flat)
             for b, (rows, (sources, size)) in enumerate(zip(self._rows[1], self.bucket_sources)):
-                link = BucketLink(b, sources, self.dest, self.stats, self.pending, group, size)
-                link.anchored = group.anchored
-                link_bucket(link, rows, sources, native=self.native, anchor=anchor)
+                link_bucket(
+                    BucketLink(b, sources, self.dest, self.stats, self.pending, self.group, size),
+                    rows,
+                    sources,
+                    native=self.native,
+                    anchor=anchor,
+                )
         ext = _backend.ext()
         if self.native and ext is not None:
             for bucket in self.buckets:

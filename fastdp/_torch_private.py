@@ -30,8 +30,6 @@ __all__ = [
     "disable_dynamo",
     "untraced",
     "in_compiled_autograd",
-    "will_engine_execute",
-    "can_ask_engine",
 ]
 
 MAX_SEQUENCE_NR = 2**64 - 1
@@ -67,19 +65,6 @@ def current_graph_task_id() -> int:
     bucket node of a set is taken for one backward until the next refresh)."""
     fn = getattr(torch._C, "_current_graph_task_id", None)
     return None if fn is None else fn()
-
-
-def will_engine_execute(node: Any) -> bool | None:
-    """Whether the running backward executes ``node`` (an ``AccumulateGrad`` the graph reaches
-    that is never captured: for a captured one under ``autograd.grad`` torch raises); None where
-    this torch cannot say (see ``can_ask_engine``)."""
-    fn = getattr(torch._C, "_will_engine_execute_node", None)
-    return None if fn is None else fn(node)
-
-
-def can_ask_engine() -> bool:
-    """Whether ``will_engine_execute`` can answer on this torch."""
-    return hasattr(torch._C, "_will_engine_execute_node")
 
 
 def queue_engine_callback(fn: Any) -> None:

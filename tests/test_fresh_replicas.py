@@ -198,30 +198,16 @@ def test_autograd_grad_matches_fresh_replicas(cap):
 
 @pytest.mark.parametrize("cap", [TINY, 25.0], ids=["buckets", "one-bucket"])
 @pytest.mark.parametrize("which", [["a.weight"], ["a.weight", "unused.weight", "head.weight"]])
-def test_backward_inputs_touches_only_the_inputs(cap, which, backend):
-    """Without the extension, the first backward that names a parameter of a wholly unused
-    bucket leaves it None and warns; the set links its anchor, and from the next step on it
-    gets DataParallel's zeros (NOTE [ Unreached buckets ] in fastdp/_reducer.py)."""
+def test_backward_inputs_touches_only_the_inputs(cap, which):
     x = torch.randn(6, 4, dtype=torch.float64)
     pair = _pair(Three(), bucket_cap_mb=cap)
-    pure_first = backend == "torch" and cap == TINY and "unused.weight" in which
-    for step in range(2):
-        for w in pair:
-            w.module.zero_grad(set_to_none=True)
-            named = dict(w.module.named_parameters())
-            loss = w(x).pow(2).sum()
-            if pure_first and step == 0 and w is pair[0]:
-                with pytest.warns(UserWarning, match="did not reach every bucket"):
-                    loss.backward(inputs=[named[k] for k in which])
-            else:
-                loss.backward(inputs=[named[k] for k in which])
-        if pure_first and step == 0:
-            assert pair[0].module.unused.weight.grad is None
-            continue
-        _assert_same(*pair)
-        assert pair[0].module.a.bias.grad is None
-        if "unused.weight" in which:  # DataParallel's zeros for an unused input
-            assert torch.count_nonzero(pair[0].module.unused.weight.grad) == 0
+    for w in pair:
+        named = dict(w.module.named_parameters())
+        w(x).pow(2).sum().backward(inputs=[named[k] for k in which])
+    _assert_same(*pair)
+    assert pair[0].module.a.bias.grad is None
+    if "unused.weight" in which:  # DataParallel's zeros for an unused input
+        assert torch.count_nonzero(pair[0].module.unused.weight.grad) == 0
 
 
 @pytest.mark.parametrize("cap", [TINY, 25.0], ids=["buckets", "one-bucket"])

@@ -60,31 +60,6 @@ def test_engine_callbacks_and_graph_task_ids():
     assert seen[1] == seen[3] == "done" and seen[0] >= 0 and seen[2] > seen[0]
 
 
-def test_the_engine_says_whether_a_plain_backward_runs():
-    """An unnamed leaf the graph reaches is executed by ``.backward()`` alone, not by
-    ``backward(inputs=)`` or ``autograd.grad`` (the probe of NOTE [ Unreached buckets ])."""
-    assert tp.can_ask_engine()
-    w = torch.randn(3, requires_grad=True)
-    probe = torch.empty(0, requires_grad=True)
-    node = probe.view_as(probe).grad_fn.next_functions[0][0]
-    seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, p):
-            return x * 1
-
-        @staticmethod
-        def backward(ctx, g):
-            seen.append(tp.will_engine_execute(node))
-            return g, None
-
-    Probe.apply(w, probe).sum().backward()
-    Probe.apply(w, probe).sum().backward(inputs=[w])
-    torch.autograd.grad(Probe.apply(w, probe).sum(), [w])
-    assert seen == [True, False, False]
-
-
 def test_compiled_autograd_region_is_seen_from_a_python_nodes_backward():
     ca = pytest.importorskip("torch._dynamo.compiled_autograd")
     seen = []
