@@ -188,8 +188,12 @@ class BucketGroup:
     node, so any reached bucket reaches it and through it every source. It runs after the
     bucket nodes and gives zeros to the sources of the buckets that did not run; the engine then
     does with them what it does with DataParallel's zeros (accumulates, captures or drops them as
-    the backward asks). The cost: each source's ``AccumulateGrad`` waits for the anchor (the sums
-    are made early, stored at the end), and ~0.3 us a source a step to link it.
+    the backward asks). The cost: each source's ``AccumulateGrad`` waits for the anchor, so the
+    sums (made early) stay alive to the end of backward: 8 % of CPU time a step on mlp1000
+    against per-bucket nodes without it (bench/results/cpu-2core-2026-11-26-anchor), as much as
+    one node for all. Linking it only after a backward needed it leaves the first such
+    ``backward(inputs=...)`` inexact (None where DataParallel gives zeros), which an optimizer
+    with weight decay turns into a wrong step: the differential oracle found it.
     """
 
     __slots__ = ("sources", "flat", "ran", "queued", "task")
@@ -306,9 +310,11 @@ class BucketReduce(Function):
         return (None, None, ANCHOR_GRAD if ctx.needs_input_grad[2] else None, *sums)
 
 
-# What a bucket node gives its anchor: a tensor, not None, as compiled autograd adds up the
-# gradients an anchor receives (its graph takes every gradient for defined).
-ANCHOR_GRAD = torch.empty(0)
+# The anchor's output, and what a bucket node gives it back: a tensor, not None, as compiled
+# autograd adds up the gradients an anchor receives (its graph takes every gradient for
+# defined). On the CPU and float32 whatever the sources' device or the default dtype, so the two
+# always match (the engine checks a gradient's device against its input's).
+ANCHOR_GRAD = torch.empty(0, dtype=torch.float32)
 
 
 class UnreachedAnchor(Function):
@@ -320,7 +326,7 @@ class UnreachedAnchor(Function):
     def forward(ctx, group, *sources):
         ctx.group = group
         ctx.set_materialize_grads(False)
-        return sources[0].new_empty(0)
+        return torch.empty(0, dtype=torch.float32)
 
     @staticmethod
     @_torch_private.untraced

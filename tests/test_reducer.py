@@ -526,6 +526,25 @@ def test_autograd_grad_of_a_whole_unused_bucket(monkeypatch, backend, mode):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["distinct", "alias"])
+def test_cuda_unused_bucket_matches_the_plain_module(monkeypatch, backend, mode):
+    """Unreached buckets on GPU replicas: without the extension the anchor's output and the
+    gradient the bucket nodes give it stay on the CPU while the sources are on the GPU."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if mode == "distinct" else "0")
+    net = _UnusedFirst().cuda()
+    model, ref = copy.deepcopy(net), copy.deepcopy(net)
+    fdp = FastDataParallel(model, device_ids=[0, 0], bucket_cap_mb=0.2)
+    x = torch.randn(4, 256, device="cuda")
+    fdp(x).sum().backward()
+    sum(ref(c).sum() for c in x.chunk(2)).backward()
+    assert torch.equal(model.unused.weight.grad, torch.zeros_like(model.unused.weight))
+    for p, q in zip(model.a.parameters(), ref.a.parameters()):
+        assert_close(p.grad, q.grad)
+    (g,) = torch.autograd.grad(fdp(x).sum(), [model.b.weight])
+    assert_close(g, ref.b.weight.grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_copy_rows_on_one_gpu_match_the_plain_module(monkeypatch):
     """The CUDA transport's copy fallback (flats on the source GPU: NCCL needs distinct ones)."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
