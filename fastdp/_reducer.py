@@ -190,10 +190,10 @@ class BucketGroup:
     does with them what it does with DataParallel's zeros (accumulates, captures or drops them as
     the backward asks). The cost: each source's ``AccumulateGrad`` waits for the anchor, so the
     sums (made early) stay alive to the end of backward: 8 % of CPU time a step on mlp1000
-    against per-bucket nodes without it (bench/results/cpu-2core-2026-11-26-anchor), as much as
-    one node for all. Linking it only after a backward needed it leaves the first such
-    ``backward(inputs=...)`` inexact (None where DataParallel gives zeros), which an optimizer
-    with weight decay turns into a wrong step: the differential oracle found it.
+    against per-bucket nodes without it (bench/results/cpu-2core-2026-11-26-anchor). It is
+    linked every step because the kind of backward is known only in backward: linked after the
+    fact, the first ``backward(inputs=...)`` would give a named parameter None where DataParallel
+    gives zeros, and an optimizer with weight decay a different step.
     """
 
     __slots__ = ("sources", "flat", "ran", "queued", "task")
@@ -216,6 +216,7 @@ class BucketGroup:
         return self.ran
 
     def ran_in_this_backward(self) -> set[int]:
+        """The buckets whose nodes ran in the current backward (the anchor's question)."""
         return self.ran if self.task == _torch_private.current_graph_task_id() else set()
 
     def bucket_ran(self, b: int) -> None:
