@@ -188,9 +188,10 @@ class BucketGroup:
     node, so any reached bucket reaches it and through it every source. It runs after the
     bucket nodes and gives zeros to the sources of the buckets that did not run; the engine then
     does with them what it does with DataParallel's zeros (accumulates, captures or drops them as
-    the backward asks). The cost: each source's ``AccumulateGrad`` waits for the anchor, so the
-    sums (made early) stay alive to the end of backward: 8 % of CPU time a step on mlp1000
-    against per-bucket nodes without it (bench/results/cpu-2core-2026-11-26-anchor). It is
+    the backward asks). The cost, on mlp1000 (2,000 parameters, two buckets): 3 % of CPU time a
+    step in one process (its own edge per source; freeing the sums early does not take it
+    back), 5-8 % across processes, where the sums alive to the end of backward make glibc trim
+    and grow the heap (bench/results/cpu-2core-2026-11-26-anchor, ...-noext-cost). It is
     linked every step because the kind of backward is known only in backward: linked after the
     fact, the first ``backward(inputs=...)`` would give a named parameter None where DataParallel
     gives zeros, and an optimizer with weight decay a different step.
