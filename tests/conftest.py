@@ -59,6 +59,16 @@ def devices(request):
     return request.param
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--zoo",
+        choices=["ci", "all"],
+        default=None,
+        help="tests/test_hf_zoo.py: 'ci' (default) a fixed sample on 2 replicas; 'all' every "
+        "class on 2 and 3 replicas (as FASTDP_ZOO=all)",
+    )
+
+
 def pytest_report_header(config):
     from fastdp._info import info
 
