@@ -3,6 +3,8 @@
 # then fastdp built into it.
 #   FASTDP_VENV   virtualenv path (default .venv); reuses system site-packages (a preinstalled torch)
 #   FASTDP_TORCH  torch version (default: what is installed, else 2.11.0 with a GPU, 2.13.0 without)
+#   FASTDP_TRANSFORMERS  transformers version (default 5.24.0, the release tests/test_hf_zoo.py's
+#                 CI sample was drawn from; empty: whatever is installed, else the latest)
 #   FASTDP_CLEAN  1: remove earlier build outputs first (CI switches torch builds in one tree)
 #   FASTDP_FORCE_CPU / FASTDP_FORCE_CUDA, TORCH_CUDA_ARCH_LIST, CUDA_HOME: see setup.py
 set -euo pipefail
@@ -18,12 +20,18 @@ if [ -z "${FASTDP_TORCH:-}" ]; then
   elif nvidia-smi -L >/dev/null 2>&1; then FASTDP_TORCH=2.11.0
   else FASTDP_TORCH=2.13.0; fi
 fi
-pkgs=(pytest hypothesis ninja numpy setuptools wheel transformers accelerate matplotlib ${FASTDP_EXTRA_PKGS:-})
+FASTDP_TRANSFORMERS="${FASTDP_TRANSFORMERS-5.24.0}"
+have_transformers="$("$VPY" -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
+pkgs=(pytest hypothesis ninja numpy setuptools wheel accelerate matplotlib ${FASTDP_EXTRA_PKGS:-})
 if [ "$have_torch" != "$FASTDP_TORCH" ]; then pkgs+=("torch==$FASTDP_TORCH"); fi
+if [ -z "$FASTDP_TRANSFORMERS" ]; then pkgs+=(transformers)
+elif [ "$have_transformers" != "$FASTDP_TRANSFORMERS" ]; then
+  pkgs+=("transformers==$FASTDP_TRANSFORMERS")
+fi
 missing=()
 for p in "${pkgs[@]}"; do
   case "$p" in
-    torch==*) missing+=("$p") ;;
+    *==*) missing+=("$p") ;;
     *) "$VPY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$p') is None)" \
          2>/dev/null || missing+=("$p") ;;
   esac
