@@ -1,9 +1,10 @@
 """The transformers zoo: every model class in six of transformers' auto mappings, built from a tiny
 config made here (no hub download), trained three AdamW steps three ways and compared.
 
-- ``architectures()``: one ``Arch`` per (task, class) of the installed transformers' mappings.
-- ``tiny_config(arch)``: the class's default config with its size fields shrunk (hidden sizes,
-  layers, heads, vocab, image size, stage lists), sub-configs included; every dropout,
+- ``architectures()``: one ``Arch`` per (task, model type, class) of the installed
+  transformers' mappings; ``ci_sample`` a fixed stratified subset of them.
+- ``tiny_configs(arch)``: the model type's default config with its size fields shrunk (hidden
+  sizes, layers, heads, vocab, image size, stage lists), sub-configs included; every dropout,
   drop-path, layerdrop and jitter probability set to 0 so that ``train()`` is deterministic.
 - ``build(arch)``: the model (seeded) and its inputs per step (seeded, batch 5: uneven chunks);
   ``BuildError`` when the harness cannot make it (then the test skips with the cause).
@@ -11,7 +12,8 @@ config made here (no hub download), trained three AdamW steps three ways and com
   ``torch.chunk`` (each chunk its own copy, as on distinct GPUs), the module run on each chunk in
   turn with the step's first buffers (only chunk 0's buffer updates are kept, as replica 0's are),
   outputs gathered by torch's own ``gather`` with its CUDA-only ``Gather`` replaced by ``torch.cat``
-  (0-dim tensors become a vector), unused parameters' gradients zeros.
+  (0-dim tensors become a vector; where torch's gather raises, fastdp's documented fallback),
+  unused parameters' gradients zeros.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ BATCH, SEQ = 5, 7
 VOCAB = 128
 IMAGE, CHANNELS = 64, 3
 NUM_LABELS = 3
+MAX_PARAMETERS = 4_000_000
 
 TASKS = {
     "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -144,6 +147,10 @@ SIZES = {
     **dict.fromkeys("num_experts_per_tok top_k moe_topk".split(), 2),
     **dict.fromkeys("n_group topk_group num_expert_group topk_group".split(), 1),
     "hidden_size_per_layer_input": 8,
+    # Perceiver's latent array.
+    **dict.fromkeys("num_latents d_latents output_num_channels".split(), HIDDEN),
+    "num_self_attends_per_block": 2,
+    **dict.fromkeys("num_self_attention_heads num_cross_attention_heads".split(), 2),
     **dict.fromkeys(
         "max_position_embeddings n_positions max_seq_len max_sequence_length n_ctx "
         "max_source_positions max_target_positions".split(),
@@ -337,6 +344,9 @@ def _build(arch: Arch, config: Any) -> tuple[torch.nn.Module, Callable]:
         torch.manual_seed(0)
         model = getattr(transformers, arch.class_name)(config)
         model.train()
+        size = sum(p.numel() for p in model.parameters())
+        if size > MAX_PARAMETERS:
+            raise ValueError(f"{size} parameters after shrinking: a size field the harness misses")
 
         def inputs(step: int) -> dict[str, torch.Tensor]:
             return make_inputs(arch, config, step)
