@@ -232,7 +232,9 @@ def _channels_last_by_torch(t: torch.Tensor) -> bool:
     format (``comm.gather``'s rule). Strides alone are ambiguous where sizes are 1: a (1, 2, 1, 2)
     tensor with strides (1, 1, 2, 2) is channels_last-contiguous, yet torch suggests (and
     DataParallel's gather gives) the contiguous format."""
-    return t.dim() == 4 and not t.is_contiguous() and suggest_memory_format(t) == torch.channels_last
+    return (
+        t.dim() == 4 and not t.is_contiguous() and suggest_memory_format(t) == torch.channels_last
+    )
 
 
 # ------------------------------------------------------------------------------- properties
