@@ -58,4 +58,14 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
 #endif
 }
 
+std::vector<at::Tensor> own_version_aliases(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    out.emplace_back(t.unsafeGetTensorImpl()->shallow_copy_and_detach(
+        c10::VariableVersion(/*version=*/0), /*allow_tensor_metadata_change=*/false));
+  }
+  return out;
+}
+
 }  // namespace fastdp

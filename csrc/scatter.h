@@ -21,4 +21,10 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
                                                     const std::vector<int64_t>& dims,
                                                     const std::vector<at::Device>& devices);
 
+// Aliases of `tensors`: each shares its tensor's storage, sizes, strides, offset and dtype, but
+// has a version counter of its own (starting at 0), no autograd history and requires_grad false:
+// an in-place write through one bumps no other tensor's version. See NOTE [ Input chunks written
+// in place ] in fastdp/scatter_gather.py.
+std::vector<at::Tensor> own_version_aliases(const std::vector<at::Tensor>& tensors);
+
 }  // namespace fastdp

@@ -31,6 +31,7 @@ __all__ = [
     "scatter",
     "gather",
     "scatter_leaves",
+    "own_version_aliases",
 ]
 
 _DEFAULT_BUFFER = 10485760
@@ -262,6 +263,16 @@ def scatter_leaves(
                 chunk if chunk.device == dev else chunk.to(dev, non_blocking=dev.type == "cuda")
             )
     return out
+
+
+def own_version_aliases(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Aliases of ``tensors`` (same storage and layout, no autograd history), each with a version
+    counter of its own (NOTE [ Input chunks written in place ] in ``fastdp/scatter_gather.py``):
+    the extension's one call, else ``set_`` per tensor."""
+    ext = _backend.ext()
+    if ext is not None:
+        return ext.own_version_aliases(tensors)
+    return [t.new_empty(0).set_(t) for t in tensors]
 
 
 def gather(

@@ -7,7 +7,8 @@ extra chunks, as DataParallel's ``zip`` drops them (NOTE [ DataParallel's chunki
 ``fastdp/_planner.py``). Differences: tensor leaves of positional *and* keyword inputs are
 planned together (DataParallel gives replicas without their positional inputs when kwargs hold
 non-tensors and the batch is small: pytorch #31460, #52260); dataclass outputs are gathered
-field-wise and outputs that are not tensors or containers come back as a per-replica list.
+field-wise, and other objects as DataParallel gathers them where it can (NOTE [ Gathering other
+objects ]), else as a per-replica list.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastdp import _tree
+from fastdp import _tree, comm
 from fastdp._devices import as_device
 from fastdp._functions import Gather, Scatter, vector_if_scalars
 from fastdp._planner import chunk_sizes_for, dropped, plan_chunks
@@ -167,8 +168,42 @@ def _split_tensors(
     else:
         inputs = list(inputs)
         plan = _plan_rows(inputs, dims, len(devices), chunk_sizes, on_drop)
-    chunks = list(map(torch.Tensor.split_with_sizes, inputs, plan, dims))
+    chunks = _own_counters(inputs, list(map(torch.Tensor.split_with_sizes, inputs, plan, dims)))
     return tuple(zip(*chunks)), ({},) * len(plan[0])  # per replica, a tuple of its chunks
+
+
+# NOTE [ Input chunks written in place ]
+# A chunk that stays on its leaf's device is a view of it. Chunk 0 stays a view, as
+# DataParallel's chunk 0 on the input's device is; chunks 1.. become aliases with a version
+# counter of their own, as DataParallel's copies on other GPUs have one: a replica writing into its
+# own chunk (``masked_fill_`` on ids, ``clamp_`` on positions) never invalidates what another
+# replica saved, and no bytes are copied. The write lands in the caller's tensor (DataParallel's
+# copies leave rows 1.. unchanged); a write through chunk 0 bumps the caller's tensor's version
+# as DataParallel's does. Leaves that require grad keep views: autograd refuses in-place writes
+# into ``split``'s outputs, and an alias would cut their history.
+def _own_counters(
+    leaves: Sequence[torch.Tensor], chunks: Sequence[Sequence[torch.Tensor]]
+) -> list[Sequence[torch.Tensor]]:
+    """``chunks[i]`` (leaf ``i``'s), with those after the first that are views on the leaf's
+    device made aliases with version counters of their own, in one call for every leaf
+    (NOTE [ Input chunks written in place ])."""
+    where, views = [], []
+    for i, (leaf, cs) in enumerate(zip(leaves, chunks)):
+        if len(cs) < 2 or leaf.requires_grad or type(leaf) is not torch.Tensor:
+            continue
+        if leaf.is_conj() or leaf.is_neg():
+            continue
+        dev = leaf.device
+        for r in range(1, len(cs)):
+            if cs[r].device == dev:  # a view (comm.scatter_leaves' contract); copies keep theirs
+                where.append((i, r))
+                views.append(cs[r])
+    if not views:
+        return list(chunks)
+    out = [list(cs) for cs in chunks]
+    for (i, r), alias in zip(where, comm.own_version_aliases(views)):
+        out[i][r] = alias
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -182,8 +217,12 @@ def _scatter_flat(
 ) -> Sequence[torch.Tensor]:
     """Replica-major chunks: ``flat[r * len(leaves) + i]`` is chunk ``r`` of leaf ``i``."""
     if not _one_device(leaves, devices):
-        return Scatter.apply(devices, plan, dims, *leaves)
-    chunks = [leaf.split_with_sizes(sizes, dim) for leaf, sizes, dim in zip(leaves, plan, dims)]
+        flat = Scatter.apply(devices, plan, dims, *leaves)
+        n = len(leaves)
+        chunks = _own_counters(leaves, [flat[i::n] for i in range(n)])
+    else:
+        split = map(torch.Tensor.split_with_sizes, leaves, plan, dims)
+        chunks = _own_counters(leaves, list(split))
     return [c[r] for r in range(len(devices)) for c in chunks]
 
 
@@ -309,10 +348,48 @@ def gather(
             done = Gather.apply(target, dim, n, *flat)
         for g, t in zip(rest, done):
             gathered[g] = t
-    # outputs that are not tensors or containers: None stays None, others a per-replica list
-    return _tree.build(
-        specs[0], gathered, lambda k: None if objects[0][k] is None else [o[k] for o in objects]
-    )
+
+    def gather_object(k: int) -> Any:
+        return _gather_object([o[k] for o in objects], target_device, dim, scalars, weights)
+
+    return _tree.build(specs[0], gathered, gather_object)
+
+
+# NOTE [ Gathering other objects ]
+# An output that is neither a tensor nor a container gathers as DataParallel's ``gather_map``
+# gathers it: ``type(out)(map(gather, zip(*outputs)))``, so any iterable whose type rebuilds from
+# its gathered parts comes back whole (HF's ``DynamicCache`` and ``EncoderDecoderCache`` are built
+# for exactly that). Where DataParallel would raise (not iterable, the rebuild raises) or return
+# garbage (``str`` of a map), the replicas' objects come back as a per-replica list; None stays
+# None; iterators are never consumed. A rebuild that raises is the one case that warns: the
+# user receives a list where DataParallel's users would have received an error.
+def _gather_object(
+    values: list[Any], target: Any, dim: int, scalars: str, weights: Sequence[int] | None
+) -> Any:
+    """DataParallel's ``gather_map`` for the replicas' ``values`` of one object (NOTE [ Gathering
+    other objects ])."""
+    first = values[0]
+    if first is None:
+        return None
+    if isinstance(first, (str, bytes, bytearray)) or not hasattr(type(first), "__iter__"):
+        return values
+    if any(iter(v) is v for v in values):  # iterators: zip would consume them
+        return values
+
+    def part(items: tuple) -> Any:
+        return gather(items, target, dim, scalars, weights)
+
+    try:
+        return type(first)(map(part, zip(*values)))
+    except Exception as e:  # DataParallel raises here
+        warnings.warn(
+            f"fastdp: an output of type {type(first).__name__} could not be rebuilt from its "
+            f"gathered parts as nn.DataParallel rebuilds it ({type(e).__name__}: {e}); it is "
+            "returned as a list with one entry per replica.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return values
 
 
 def _combine(
