@@ -201,6 +201,14 @@ def _stochastic(key: str) -> bool:
     return any(w in k for w in ("drop", "jitter", "noise_std")) and not k.endswith("_id")
 
 
+def _set(config: transformers.PretrainedConfig, key: str, value: Any) -> None:
+    """``setattr``, leaving a field the config refuses to set (a derived property) as it is."""
+    try:
+        setattr(config, key, value)
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        pass
+
+
 def _layer_types(config: transformers.PretrainedConfig) -> None:
     """Per-layer type lists (hybrid attention/SSM/sliding stacks) keep one layer of each type, in
     order of first use, and the layer count follows: two layers would drop a type."""
@@ -211,8 +219,8 @@ def _layer_types(config: transformers.PretrainedConfig) -> None:
         if isinstance(value, list) and len(value) == layers and value:
             if all(isinstance(v, str) for v in value) and len(set(value)) > 1:
                 kept = list(dict.fromkeys(value))
-                setattr(config, key, kept)
-                config.num_hidden_layers = len(kept)
+                _set(config, key, kept)
+                _set(config, "num_hidden_layers", len(kept))
 
 
 def shrink(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
@@ -227,27 +235,27 @@ def shrink(config: transformers.PretrainedConfig) -> transformers.PretrainedConf
             for v in value.values():
                 shrink(v)
         elif isinstance(value, float) and _stochastic(key):
-            setattr(config, key, 0.0)
+            _set(config, key, 0.0)
         elif isinstance(value, float) and key in MULTIPLIERS and value > MULTIPLIERS[key]:
-            setattr(config, key, MULTIPLIERS[key])
+            _set(config, key, MULTIPLIERS[key])
         elif isinstance(value, bool):
             continue
         elif isinstance(value, int) and (key in VOCABS or "vocab_size" in key):
-            setattr(config, key, min(value, VOCAB))
+            _set(config, key, min(value, VOCAB))
         elif isinstance(value, int) and key in SIZES and value > SIZES[key]:
-            setattr(config, key, SIZES[key])
+            _set(config, key, SIZES[key])
         elif isinstance(value, (list, tuple)) and key in STAGE_LISTS and value:
             if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                setattr(config, key, type(value)(STAGE_LISTS[key](i) for i in range(len(value))))
+                _set(config, key, type(value)(STAGE_LISTS[key](i) for i in range(len(value))))
     if isinstance(layers, int) and layers != getattr(config, "num_hidden_layers", layers):
-        config.num_hidden_layers = layers
+        _set(config, "num_hidden_layers", layers)
         _layer_types(config)
         if config.num_hidden_layers == layers:
-            config.num_hidden_layers = SIZES["num_hidden_layers"]
+            _set(config, "num_hidden_layers", SIZES["num_hidden_layers"])
     for key in TOKEN_IDS:
         v = getattr(config, key, None)
         if isinstance(v, int) and v >= VOCAB:
-            setattr(config, key, VOCAB - 1 - TOKEN_IDS.index(key))
+            _set(config, key, VOCAB - 1 - TOKEN_IDS.index(key))
     return config
 
 
@@ -259,8 +267,11 @@ def rebuild(config: transformers.PretrainedConfig) -> transformers.PretrainedCon
         return config
     kwargs = {}
     for f in dataclasses.fields(config):
-        if f.init and hasattr(config, f.name):
+        try:
             v = getattr(config, f.name)
+        except Exception:  # noqa: BLE001 - absent, or a per-layer field with no global value
+            continue
+        if f.init:
             kwargs[f.name] = rebuild(v) if _is_config(v) else v
     try:
         return type(config)(**kwargs)
@@ -330,13 +341,21 @@ def make_inputs(arch: Arch, config: Any, step: int) -> dict[str, torch.Tensor]:
 def build(arch: Arch) -> tuple[torch.nn.Module, Callable[[int], dict[str, torch.Tensor]]]:
     """The model in train mode (seeded) and its inputs per step; ``BuildError`` when the harness
     cannot make them or the plain module cannot take a step on them deterministically."""
+    try:
+        configs = tiny_configs(arch)
+    except Exception as e:  # noqa: BLE001 - the config class refuses the harness's shrinking
+        raise BuildError(f"config: {type(e).__name__}: {_first_line(e)}") from e
     errors = []
-    for config in tiny_configs(arch):
+    for config in configs:
         try:
             return _build(arch, config)
         except BuildError as e:
             errors.append(e)
     raise errors[0]
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
 
 
 def _build(arch: Arch, config: Any) -> tuple[torch.nn.Module, Callable]:
@@ -359,7 +378,7 @@ def _build(arch: Arch, config: Any) -> tuple[torch.nn.Module, Callable]:
             outs.append(flatten(out))
         objective(out).backward()
     except Exception as e:  # noqa: BLE001 - any cause is recorded in the skip reason
-        raise BuildError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise BuildError(f"{type(e).__name__}: {_first_line(e)}") from e
     mismatch = first_mismatch(outs[0], outs[1], exact=True)
     if mismatch:
         raise BuildError(f"not deterministic in train mode with dropout 0: {mismatch}")
@@ -528,10 +547,23 @@ def snapshot_grads(module: torch.nn.Module) -> list[tuple[str, Any]]:
     ]
 
 
-def snapshot_state(module: torch.nn.Module) -> list[tuple[str, Any]]:
-    return [(f"param.{n}", p.detach().clone()) for n, p in module.named_parameters()] + [
-        (f"buffer.{n}", b.detach().clone()) for n, b in module.named_buffers()
-    ]
+def snapshot_params(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    return [(f"param.{n}", p.detach().clone()) for n, p in module.named_parameters()]
+
+
+def snapshot_buffers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    return [(f"buffer.{n}", b.detach().clone()) for n, b in module.named_buffers()]
+
+
+@torch.no_grad()
+def load_state(dst: torch.nn.Module, dst_opt, src: torch.nn.Module, src_opt) -> None:
+    """``dst`` takes ``src``'s parameters and buffers in place (as an optimizer writes them) and
+    ``dst_opt`` takes ``src_opt``'s state: the next step starts where the reference's does."""
+    for a, b in zip(dst.parameters(), src.parameters(), strict=True):
+        a.copy_(b)
+    for a, b in zip(dst.buffers(), src.buffers(), strict=True):
+        a.copy_(b)
+    dst_opt.load_state_dict(copy.deepcopy(src_opt.state_dict()))
 
 
 def selected(mode: str | None = None) -> tuple[list[Arch], tuple[int, ...]]:
