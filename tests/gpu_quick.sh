@@ -77,7 +77,7 @@ if [ "$DRY" = 1 ]; then
     --no-build-isolation --no-deps -e ."; "$PY" -m fastdp.info'
   BENCH_COMM="--gpu-dry-run --tiny --replicas 2"
   BENCH_STEPS="--gpu-dry-run --tiny --replicas 2"
-  CORE="tests/test_pinned_pool_logic.py tests/test_gpu_copy_order.py tests/test_host_copy_plan.py"
+  CORE="tests/test_pinned_pool_logic.py tests/test_gpu_copy_order.py tests/test_gpu_pool_and_streams.py"
   SAN_CMD='echo "dry run: would run compute-sanitizer memcheck/racecheck/synccheck over" \
     "doctor --quick -k [0,0] -k kernels and memcheck over the probes san_subset";
     "$PY" -m fastdp.doctor --quick -k cpu -k kernels'
