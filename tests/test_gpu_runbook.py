@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,3 +55,31 @@ def test_quick_check_fits_its_budget_and_time_boxes_every_stage() -> None:
 def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
     r = _run("nope", str(tmp_path))
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_quick_check_probes_run_and_are_summarised_without_a_gpu(tmp_path: Path) -> None:
+    """The probe driver (one process per probe; without a GPU only the first runs) and the
+    summary that reads its record: every probe of the plan has a line."""
+    if torch_has_cuda():
+        pytest.skip("a GPU machine runs the probes themselves (bash tests/gpu.sh quick)")
+    quick = ROOT / "tests" / "gpu_quick"
+    out = tmp_path / "probes.json"
+    r = subprocess.run(
+        [sys.executable, str(quick / "run_probes.py"), "--all", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = json.loads(out.read_text())
+    assert recs[0]["probe"] == "env" and all(rec["status"] == "skip" for rec in recs)
+    s = subprocess.run(
+        [sys.executable, str(quick / "summarize.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert s.returncode == 0, s.stderr
+    assert all(rec["probe"] in s.stdout for rec in recs) and (tmp_path / "bench.json").exists()
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
