@@ -88,7 +88,7 @@ CASES = [
     ("two sparse levels", lambda: torch.randn(16, 64, 512)[:, :4, :256], 0, 2, "rows"),
     ("transposed dense", lambda: torch.randn(96, 64).t(), 0, 2, "span"),
     ("transposed, wide rows", lambda: torch.randn(1024, 256).t(), 0, 2, "2d"),
-    ("conj bits are copied as they are", lambda: torch.randn(8, 16, dtype=torch.cfloat), 1, 2,
+    ("complex, narrow rows", lambda: torch.randn(8, 16, dtype=torch.cfloat), 1, 2,
      "span"),
 ]  # fmt: skip
 
