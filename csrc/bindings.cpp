@@ -11,6 +11,7 @@
 #include "gather.h"
 #include "graph_task.h"
 #include "held_tensors.h"
+#include "host_copy_plan.h"
 #include "host_pool.h"
 #include "scatter.h"
 #include "signature.h"
@@ -214,7 +215,9 @@ PYBIND11_MODULE(_C, m) {
       "malloc'd host blocks, with events that are flags set by complete() or by a wait.")
       .def(py::init<int64_t>(), py::arg("capacity"))
       .def("acquire", &fastdp::HostBlockPool::acquire, py::arg("bytes"),
-           "A lent block's handle, 0 when the pool cannot serve the request.")
+           py::arg("capturing") = false,
+           "A lent block's handle, 0 when the pool cannot serve the request; `capturing`: as "
+           "while a CUDA graph is captured (NOTE [ Pinned blocks and graphs ]).")
       .def("size", &fastdp::HostBlockPool::size, py::arg("block"))
       .def("record", &fastdp::HostBlockPool::record, py::arg("block"),
            "A pending event on the lent block; returns its id.")
@@ -223,6 +226,46 @@ PYBIND11_MODULE(_C, m) {
       .def("release", &fastdp::HostBlockPool::release, py::arg("block"))
       .def("stats", &fastdp::HostBlockPool::stats)
       .def("set_capacity", &fastdp::HostBlockPool::set_capacity, py::arg("bytes"))
-      .def("empty_cache", &fastdp::HostBlockPool::empty_cache);
+      .def("empty_cache", &fastdp::HostBlockPool::empty_cache)
+      .def("fail_next_alloc", &fastdp::HostBlockPool::fail_next_alloc, py::arg("how"),
+           "The next allocation fails: 'oom' (returns nothing) or 'error' (throws).")
+      .def("set_queries_throw", &fastdp::HostBlockPool::set_queries_throw, py::arg("on"),
+           "Event queries and waits throw from now on (as after a device fault).")
+      .def("queries", &fastdp::HostBlockPool::queries, "Event queries and waits so far.");
+  m.def(
+      "_host_copy_plan",
+      [](const std::vector<int64_t>& sizes, const std::vector<int64_t>& src_strides,
+         const std::vector<int64_t>& dst_strides, int64_t itemsize, int64_t max_pitch) {
+        TORCH_CHECK(sizes.size() == src_strides.size() && sizes.size() == dst_strides.size(),
+                    "fastdp._host_copy_plan: expected one stride per size");
+        const fastdp::HostCopyPlan p =
+            fastdp::plan_host_copy(sizes, src_strides, dst_strides, itemsize, max_pitch);
+        static const char* kinds[] = {"dense", "2d", "rows", "span"};
+        py::dict d;
+        d["kind"] = kinds[p.kind];
+        d["width"] = p.width;
+        d["height"] = p.height;
+        d["spitch"] = p.spitch;
+        d["dpitch"] = p.dpitch;
+        d["span"] = p.span;
+        d["outer_sizes"] = p.outer_sizes;
+        d["outer_sstrides"] = p.outer_sstrides;
+        d["outer_dstrides"] = p.outer_dstrides;
+        return d;
+      },
+      py::arg("sizes"), py::arg("src_strides"), py::arg("dst_strides"), py::arg("itemsize"),
+      py::arg("max_pitch"),
+      "Diagnostics: how a pinned chunk is copied to a GPU (NOTE [ Stream order of host copies ]).");
+  m.def(
+      "_stage_rows",
+      [](const std::vector<int64_t>& sizes, const std::vector<int64_t>& dst_strides,
+         int64_t itemsize, int64_t window) {
+        TORCH_CHECK(sizes.size() == dst_strides.size(),
+                    "fastdp._stage_rows: expected one stride per size");
+        const fastdp::StageRows r = fastdp::stage_rows(sizes, dst_strides, itemsize, window);
+        return py::make_tuple(r.dim, r.count, r.bytes, r.outer);
+      },
+      py::arg("sizes"), py::arg("dst_strides"), py::arg("itemsize"), py::arg("window"),
+      "Diagnostics: (dim, count, bytes, outer dims) of the rows a pageable chunk is staged by.");
   // --- end scatter / gather ----------------------------------------------------------------------
 }

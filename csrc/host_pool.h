@@ -1,13 +1,15 @@
 #pragma once
 // BlockPool over host memory, for tests of the pinned pool's logic in every build: blocks from
 // malloc, events are flags that complete() sets (a wait sets its flag, as a stream reaching the
-// event would). Bound as fastdp._C._HostBlockPool.
+// event would). Faults can be injected: allocations that fail (out of memory, or another error)
+// and event queries that throw (a device fault). Bound as fastdp._C._HostBlockPool.
 
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,19 +29,39 @@ namespace fastdp {
 
 struct HostFlagBackend {
   using Event = std::shared_ptr<std::atomic<bool>>;
-  static void* alloc(size_t bytes) { return std::malloc(bytes); }
-  static void free(void* p) { std::free(p); }
-  static bool done(Event& e) { return e->load(); }
-  static void wait(Event& e) { e->store(true); }
+  std::string fail_next;       // "oom": the next alloc returns nullptr; "error": it throws
+  bool queries_throw = false;  // done() and wait() throw, as a query after a device fault
+  int64_t queries = 0;         // done() and wait() calls so far
+
+  void* alloc(size_t bytes) {
+    const std::string how = std::exchange(fail_next, std::string());
+    if (how == "error") throw std::runtime_error("HostFlagBackend: injected allocation error");
+    return how == "oom" ? nullptr : std::malloc(bytes);
+  }
+  void free(void* p) { std::free(p); }
+  bool done(Event& e) {
+    query();
+    return e->load();
+  }
+  void wait(Event& e) {
+    query();
+    e->store(true);
+  }
+
+ private:
+  void query() {
+    ++queries;
+    if (queries_throw) throw std::runtime_error("HostFlagBackend: injected event query error");
+  }
 };
 
 class FASTDP_PY_HIDDEN HostBlockPool {
  public:
   explicit HostBlockPool(int64_t capacity) : pool_(static_cast<size_t>(capacity)) {}
 
-  // Block handle (0: none) and its size.
-  uintptr_t acquire(int64_t bytes) {
-    return reinterpret_cast<uintptr_t>(pool_.acquire(static_cast<size_t>(bytes)));
+  // Block handle (0: none) and its size. `capturing`: as under a CUDA graph capture.
+  uintptr_t acquire(int64_t bytes, bool capturing) {
+    return reinterpret_cast<uintptr_t>(pool_.acquire(static_cast<size_t>(bytes), capturing));
   }
   int64_t size(uintptr_t block) const { return static_cast<int64_t>(get(block)->size); }
   // An event on the lent block, pending until complete(); returns its id.
@@ -57,6 +79,11 @@ class FASTDP_PY_HIDDEN HostBlockPool {
     return static_cast<int64_t>(pool_.set_capacity(static_cast<size_t>(bytes)));
   }
   void empty_cache() { pool_.empty_cache(); }
+  // Fault injection: the next allocation fails ("oom" or "error"); event queries throw.
+  void fail_next_alloc(const std::string& how) { pool_.backend().fail_next = how; }
+  void set_queries_throw(bool on) { pool_.backend().queries_throw = on; }
+  // Event queries and waits so far.
+  int64_t queries() { return pool_.backend().queries; }
 
  private:
   using Block = BlockPool<HostFlagBackend>::Block;

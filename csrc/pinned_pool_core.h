@@ -16,29 +16,49 @@
 
 namespace fastdp {
 
-// The size class serving a request of `bytes` (0 < bytes <= capacity): the smallest power of two
-// from 64 KiB up that holds it, capped at the capacity. Steps of the same shapes ask the same
+// The size class serving a request of `bytes` (0 < bytes <= capacity), capped at the capacity:
+// powers of two from 64 KiB to 1 MiB, then four classes per doubling (1, 1.25, 1.5, 1.75 x 2^k),
+// so a block above 1 MiB is never more than a fifth unused. Steps of the same shapes ask the same
 // classes, so their blocks are reused and nothing is allocated after the first step.
 inline size_t pinned_size_class(size_t bytes, size_t capacity) {
+  constexpr size_t kMiB = size_t{1} << 20;
   size_t c = size_t{64} << 10;
-  while (c < bytes) c <<= 1;
+  while (c < bytes && c < kMiB) c <<= 1;
+  if (c < bytes) {
+    size_t pow = kMiB;
+    while (pow <= bytes / 2) pow <<= 1;  // the largest power of two <= bytes
+    const size_t step = pow / 4;
+    c = (bytes + step - 1) / step * step;
+  }
   return c < capacity ? c : capacity;
 }
 
 // One pooled block. `events` are recorded by the block's holder while it is lent and read by the
 // pool only while it is not. A list: erasing from a vector move-assigns the survivors, and c10's
 // CUDAEvent move-assign overwrites its event without destroying it (every completed event leaked).
+// `graph`: lent during a CUDA graph capture, held for good (NOTE [ Pinned blocks and graphs ]).
 template <class Event>
 struct PoolBlock {
   void* ptr = nullptr;
   size_t size = 0;
   bool lent = false;
+  bool graph = false;
   uint64_t released_at = 0;
   std::list<Event> events;
 };
 
-// Backend: `using Event`; static void* alloc(size_t) (nullptr on failure); static void
-// free(void*); static bool done(Event&) (non-blocking); static void wait(Event&) (blocks).
+// NOTE [ Pinned blocks and graphs ]
+// While a CUDA graph is being captured no event may be queried or waited on (an error, or in
+// relaxed mode an event that later queries fail on), no pinned memory freed (an implicit sync),
+// and a block the capture reads is read again by every replay. So a capturing acquire never
+// queries, waits or frees: it takes a block with no events left or allocates one, and that block
+// is held by the graph for good (never lent again; no events are recorded on it), as torch's host
+// allocator does with blocks used during capture. Held blocks count against the capacity; once it
+// is spent a capturing acquire gets nothing and the caller raises or takes a capturable path.
+// release() and stats() never query events either, so they cannot throw a device's error.
+
+// Backend: `using Event`; void* alloc(size_t) (nullptr when out of memory; throws on any other
+// error); void free(void*); bool done(Event&) (non-blocking); void wait(Event&) (blocks).
 template <class Backend>
 class BlockPool {
  public:
@@ -52,36 +72,28 @@ class BlockPool {
   // A lent block of at least `bytes`, or nullptr (bytes == 0 or above the capacity, out of
   // memory, or every block lent). Allocates only when no block of the class is idle and the
   // capacity has room; otherwise waits, without the lock, on the oldest in-flight block.
-  Block* acquire(size_t bytes) {
+  // `capturing`: a graph capture is under way (NOTE [ Pinned blocks and graphs ]). Rethrows the
+  // backend's errors with the pool's state unchanged.
+  Block* acquire(size_t bytes, bool capturing = false) {
     std::unique_lock<std::mutex> lock(mu_);
     if (bytes == 0 || bytes > capacity_) return nullptr;
     const size_t cls = pinned_size_class(bytes, capacity_);
+    if (capturing) {
+      for (Block* b : by_class_[cls]) {
+        if (!b->lent && b->events.empty()) return hold_for_graph(b);
+      }
+      std::vector<void*> none;
+      Block* b = reserved_ + cls <= capacity_ ? allocate(lock, cls, none) : nullptr;
+      return b != nullptr ? hold_for_graph(b) : nullptr;
+    }
     for (;;) {
-      auto& list = by_class_[cls];
-      for (Block* b : list) {
+      for (Block* b : by_class_[cls]) {
         if (!b->lent && idle(*b)) return lend(b);
       }
       std::vector<void*> freed;
       while (reserved_ + cls > capacity_ && take_idle_other_than(cls, freed)) {
       }
-      if (reserved_ + cls <= capacity_) {
-        reserved_ += cls;
-        ++allocations_;
-        lock.unlock();
-        free_all(freed);
-        void* ptr = Backend::alloc(cls);
-        lock.lock();
-        if (ptr == nullptr) {
-          reserved_ -= cls;
-          return nullptr;  // out of pinned memory: the caller takes the unstaged path
-        }
-        blocks_.push_back(std::make_unique<Block>());
-        Block* b = blocks_.back().get();
-        b->ptr = ptr;
-        b->size = cls;
-        list.push_back(b);
-        return lend(b);
-      }
+      if (reserved_ + cls <= capacity_) return allocate(lock, cls, freed);
       Block* oldest = oldest_in_flight(cls);
       if (oldest == nullptr) {
         lock.unlock();
@@ -94,7 +106,13 @@ class BlockPool {
       ++waits_;
       lock.unlock();
       free_all(freed);
-      for (Event& e : events) Backend::wait(e);
+      try {
+        for (Event& e : events) backend_.wait(e);
+      } catch (...) {
+        lock.lock();
+        oldest->lent = false;
+        throw;
+      }
       events.clear();
       lock.lock();
       if (oldest->size == cls) return oldest;
@@ -102,26 +120,24 @@ class BlockPool {
     }
   }
 
-  // Returns a lent block; its recorded events decide when it is lent again.
+  // Returns a lent block; its recorded events decide when it is lent again (a block held by a
+  // graph stays out). Never queries an event and never throws a backend's error.
   void release(Block* b) {
-    std::vector<void*> freed;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      b->lent = false;
-      b->released_at = ++clock_;
-      while (reserved_ > capacity_ && take_idle_other_than(0, freed)) {
-      }
-    }
-    free_all(freed);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!b->graph) b->lent = false;
+    b->released_at = ++clock_;
   }
 
+  // Counters; in_flight: blocks not lent whose events are not yet seen complete. Queries nothing.
   std::vector<std::pair<std::string, int64_t>> stats() {
     std::lock_guard<std::mutex> lock(mu_);
-    int64_t lent = 0, in_flight = 0;
+    int64_t lent = 0, in_flight = 0, graph = 0;
     for (auto& b : blocks_) {
-      if (b->lent) {
+      if (b->graph) {
+        graph += static_cast<int64_t>(b->size);
+      } else if (b->lent) {
         lent += static_cast<int64_t>(b->size);
-      } else if (!idle(*b)) {
+      } else if (!b->events.empty()) {
         in_flight += static_cast<int64_t>(b->size);
       }
     }
@@ -129,6 +145,7 @@ class BlockPool {
             {"reserved", static_cast<int64_t>(reserved_)},
             {"lent", lent},
             {"in_flight", in_flight},
+            {"graph_held", graph},
             {"blocks", static_cast<int64_t>(blocks_.size())},
             {"allocations", allocations_},
             {"frees", frees_},
@@ -165,16 +182,53 @@ class BlockPool {
     return capacity_;
   }
 
+  Backend& backend() { return backend_; }
+
  private:
   Block* lend(Block* b) {
     b->lent = true;
     return b;
   }
 
+  Block* hold_for_graph(Block* b) {
+    b->graph = true;
+    return lend(b);
+  }
+
+  // A new lent block of class `cls` (room checked by the caller), allocated without the lock
+  // after freeing `freed`; nullptr when out of memory. Rethrows the backend's other errors.
+  Block* allocate(std::unique_lock<std::mutex>& lock, size_t cls, std::vector<void*>& freed) {
+    reserved_ += cls;
+    ++allocations_;
+    lock.unlock();
+    free_all(freed);
+    void* ptr = nullptr;
+    try {
+      ptr = backend_.alloc(cls);
+    } catch (...) {
+      lock.lock();
+      reserved_ -= cls;
+      --allocations_;
+      throw;
+    }
+    lock.lock();
+    if (ptr == nullptr) {
+      reserved_ -= cls;
+      --allocations_;
+      return nullptr;  // out of pinned memory: the caller takes the unstaged path
+    }
+    blocks_.push_back(std::make_unique<Block>());
+    Block* b = blocks_.back().get();
+    b->ptr = ptr;
+    b->size = cls;
+    by_class_[cls].push_back(b);
+    return lend(b);
+  }
+
   // Whether every event recorded on the block completed; drops those that did.
-  static bool idle(Block& b) {
+  bool idle(Block& b) {
     if (b.lent) return false;
-    b.events.remove_if([](Event& e) { return Backend::done(e); });
+    b.events.remove_if([this](Event& e) { return backend_.done(e); });
     return b.events.empty();
   }
 
@@ -205,11 +259,12 @@ class BlockPool {
     return false;
   }
 
-  static void free_all(std::vector<void*>& freed) {
-    for (void* p : freed) Backend::free(p);
+  void free_all(std::vector<void*>& freed) {
+    for (void* p : freed) backend_.free(p);
     freed.clear();
   }
 
+  Backend backend_;
   std::mutex mu_;
   size_t capacity_;
   size_t reserved_ = 0;

@@ -70,6 +70,7 @@ def reduce_add(
     first = rows[0]
     if not first:
         return []
+    transport_for([dest]).order_reads(rows, dest)  # NOTE [ Streams of a reduce across devices ]
     if len(rows) == 1:
         return [g.to(dest, copy=True) for g in first]
     if torch.is_grad_enabled() and any(g.requires_grad for row in rows for g in row):

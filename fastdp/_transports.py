@@ -9,12 +9,20 @@ on distinct GPUs, copies otherwise (repeated ids). Everything runs on the callin
 current stream of each device: the caller's streams for a refresh (the replicas then run on the
 same streams, NOTE [ The caller's streams ]), the streams autograd gives the bucket's node for a
 reduce.
+
+NOTE [ Streams of a reduce across devices ]
+Autograd runs a bucket's node on a stream of the destination that waited for every incoming
+gradient; rows on other GPUs are read on this thread's current streams of their devices (in an
+autograd device thread, their default streams), which waited for nothing. So ``order_reads`` makes
+each of those streams wait on an event recorded on the destination's stream, and records each such
+row on the stream that reads it (its block is not reused before the read). torch's NCCL calls hold
+CUDA's free mutex (``AutoNcclGroup``): two nodes on different device threads never overlap them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.nn.parallel import comm as torch_comm
@@ -43,6 +51,11 @@ class Transport(Protocol):
     @staticmethod
     def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
         """A new tensor on ``dest``: ``flats[0] + flats[1] + ...``, summed in that order."""
+
+    @staticmethod
+    def order_reads(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
+        """Before a reduce onto ``dest`` reads ``rows`` on their devices' current streams:
+        NOTE [ Streams of a reduce across devices ]."""
 
 
 def new_stats() -> dict[str, int]:
@@ -73,9 +86,28 @@ class _CpuTransport:
             out.add_(f.to(dest))
         return out
 
+    @staticmethod
+    def order_reads(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
+        return None  # one stream of work per CPU device: nothing to order
+
 
 class _CudaTransport:
     name = "cuda"
+
+    @staticmethod
+    def order_reads(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
+        tensors = [t for row in rows for t in row if t.device.type == "cuda" and t.device != dest]
+        if dest.type != "cuda" or not tensors:
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(dest))
+        streams: dict[torch.device, Any] = {}
+        for t in tensors:
+            if t.device not in streams:
+                streams[t.device] = torch.cuda.current_stream(t.device)
+                streams[t.device].wait_event(ready)
+            if t.layout == torch.strided:
+                t.record_stream(streams[t.device])
 
     @staticmethod
     def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:

@@ -208,9 +208,10 @@ def scatter(
     """Split ``tensor`` along ``dim`` (``torch.chunk`` sizes unless ``chunk_sizes``) onto devices.
 
     The chunk that stays on the tensor's own device is a view of it, as in torch. ``out=`` (CUDA
-    outputs) is served by ``torch.nn.parallel.comm.scatter``.
+    outputs) and ``streams=`` (each chunk copied on the stream given for it, which the extension's
+    one copy per device cannot honour) are served by ``torch.nn.parallel.comm.scatter``.
     """
-    if out is not None:
+    if out is not None or streams is not None:
         return _tcomm.scatter(tensor, devices, chunk_sizes, dim, streams, out=out)
     if chunk_sizes is None and devices and _all_on(tensor.device, devices):
         return tensor.chunk(len(devices), dim)  # views, as torch's (NOTE [ Same-device chunks ])

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The GPU runbook: one stage per device command, each well inside 10 minutes on one H100 (16 cores).
 #
-#   bash tests/gpu.sh STAGE [OUTDIR]      STAGE: build | check | sanitize | bench | all
+#   bash tests/gpu.sh STAGE [OUTDIR]      STAGE: build | check | sanitize | bench | all | quick
+#
+#   quick     ONE device command under 9 minutes (tests/gpu_quick.sh): build, the probes of
+#             every CUDA path, the key bench rows, the CUDA paths' test files, compute-sanitizer
+#             on a small subset, each stage time-boxed; a summary printed last. For a short
+#             GPU loan; the four stages below are the full runbook (18-22 minutes).
 #
 #   build     pip install --no-build-isolation --no-deps -e . against the machine's own torch
 #             (never a build carried from elsewhere), then python -m fastdp.info; fails unless
@@ -125,9 +130,10 @@ run_stage() {
 
 case "$STAGE" in
   build | check | sanitize | bench) run_stage "$STAGE" ;;
+  quick) exec bash tests/gpu_quick.sh "${2:-${OUT:-gpu-out/quick}}" ;;
   all)  # the dry run's way to prove every stage; on a GPU, one stage per device command
     rc=0
     for s in build check sanitize bench; do run_stage "$s" || rc=1; done
     exit $rc ;;
-  *) echo "usage: bash tests/gpu.sh build|check|sanitize|bench|all [OUTDIR]" >&2; exit 2 ;;
+  *) echo "usage: bash tests/gpu.sh build|check|sanitize|bench|all|quick [OUTDIR]" >&2; exit 2 ;;
 esac

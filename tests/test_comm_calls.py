@@ -106,3 +106,19 @@ def test_cuda_scatter_from_host_calls_the_extension_once(pinned: bool) -> None:
     assert calls() - before == 1
     for got, ref in zip(parts, x.chunk(4)):
         torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], [-1, -1, -1]])
+def test_scatter_with_streams_is_torchs(monkeypatch, devices) -> None:
+    """``streams=`` asks for each chunk's copy on the stream given for it, which one copy per
+    device cannot honour: torch's ``comm.scatter`` serves it, streams passed through."""
+    seen = {}
+
+    def torch_scatter(tensor, devs, chunk_sizes, dim, streams, *, out=None):
+        seen["streams"] = streams
+        return tuple(tensor.chunk(len(devs), dim))
+
+    monkeypatch.setattr(comm._tcomm, "scatter", torch_scatter)
+    streams = [object() for _ in devices]
+    parts = comm.scatter(torch.randn(6, 3), devices, streams=streams)
+    assert seen["streams"] is streams and len(parts) == len(devices)

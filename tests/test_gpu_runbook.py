@@ -1,16 +1,20 @@
 """tests/gpu.sh, the GPU runbook: its plumbing on the CPU (FASTDP_GPU_DRY_RUN=1).
 
-CI runs every stage's dry run (`bash tests/gpu.sh all`); here the cheapest stage, the record it
-writes and the usage error, so that a broken script fails the suite too.
+CI runs every stage's dry run (`bash tests/gpu.sh all`) and the quick check's (`quick`); here the
+cheapest stage, the record it writes, the quick check's time box and the usage error, so that a
+broken script fails the suite too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,6 +39,47 @@ def test_build_stage_dry_run_writes_its_log_and_json(tmp_path: Path) -> None:
     assert "pip install --no-build-isolation --no-deps -e ." in log and "fastdp " in log
 
 
+def test_quick_check_fits_its_budget_and_time_boxes_every_stage() -> None:
+    """The quick check is one device command (at most 10 minutes, 9 asked): the sum of its stage
+    caps may exceed the budget (a stage that ends early leaves time to the next), but the budget
+    plus a stage's kill grace (10 s) and the summary's limit (20 s) must fit, and every cap."""
+    script = (ROOT / "tests" / "gpu_quick.sh").read_text()
+    budget = int(re.search(r"GPU_CHECK_BUDGET_S:-(\d+)", script).group(1))
+    assert budget + 10 + 20 <= 9 * 60
+    caps = re.findall(r"^run_stage ([\w-]+) (\d+) ", script, re.M)
+    assert {n for n, _ in caps} >= {"build", "probes", "bench-comm", "tests-core", "sanitize"}
+    assert all(int(c) <= budget for _, c in caps)
+    assert "timeout --kill-after" in script
+
+
 def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
     r = _run("nope", str(tmp_path))
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_quick_check_probes_run_and_are_summarised_without_a_gpu(tmp_path: Path) -> None:
+    """The probe driver (one process per probe; without a GPU only the first runs) and the
+    summary that reads its record: every probe of the plan has a line."""
+    if torch_has_cuda():
+        pytest.skip("a GPU machine runs the probes themselves (bash tests/gpu.sh quick)")
+    quick = ROOT / "tests" / "gpu_quick"
+    out = tmp_path / "probes.json"
+    r = subprocess.run(
+        [sys.executable, str(quick / "run_probes.py"), "--all", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    recs = json.loads(out.read_text())
+    assert recs[0]["probe"] == "env" and all(rec["status"] == "skip" for rec in recs)
+    s = subprocess.run(
+        [sys.executable, str(quick / "summarize.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert s.returncode == 0, s.stderr
+    assert all(rec["probe"] in s.stdout for rec in recs) and (tmp_path / "bench.json").exists()
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -81,14 +81,17 @@ void gather_to_host(const std::vector<at::Tensor>& tensors, const std::vector<at
   pending.reserve(tensors.size());
   for (size_t k = 0; k < tensors.size(); ++k) {
     if (!slices[k].defined() || !tensors[k].is_cuda()) continue;
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(tensors[k].get_device());
+    TORCH_CHECK(!stream_capturing(stream), "fastdp.gather_into: a gather to the CPU waits for ",
+                "its copies and cannot be captured into a CUDA graph: gather to a GPU inside ",
+                "the capture and copy to the host after it");
     at::Tensor src = readable(tensors[k], /*need_dense=*/true);
     const size_t nbytes = static_cast<size_t>(src.numel() * src.element_size());
-    PinnedBlock block = pinned_acquire(nbytes);
+    PinnedBlock block = pinned_acquire(nbytes, stream);
     if (!block) {  // larger than the pool: torch's synchronous D2H
       slices[k].copy_(src);
       continue;
     }
-    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(src.get_device());
     c10::cuda::CUDAGuard guard(src.get_device());
     C10_CUDA_CHECK(cudaMemcpyAsync(block.data(), src.data_ptr(), nbytes, cudaMemcpyDeviceToHost,
                                    stream));

@@ -215,7 +215,10 @@ std::vector<size_t> multi_copy(const std::vector<CopySpec>& specs,
 
   c10::cuda::CUDAStreamGuard guard(stream);  // device and stream the metadata is allocated for
   c10::DataPtr meta = c10::cuda::CUDACachingAllocator::get()->allocate(meta_bytes);
-  PinnedBlock block = pinned_acquire(meta_bytes);
+  PinnedBlock block = pinned_acquire(meta_bytes, stream);
+  TORCH_CHECK(block || !stream_capturing(stream), "fastdp: a copy kernel captured into a CUDA ",
+              "graph needs a pinned block for its metadata and the pinned pool has none left ",
+              "(FASTDP_PINNED_POOL_MB); raise it, or set FASTDP_DISABLE_EXT=1 for torch's copies");
   const void* up = host.data();  // pageable fallback: the driver copies it out before returning
   if (block) {
     std::memcpy(block.data(), host.data(), meta_bytes);

@@ -85,11 +85,14 @@ bool decide(c10::DeviceIndex a, c10::DeviceIndex b) {
 // The source is read on src_stream itself, so it needs no barrier with the caller's work there.
 void staged_copy(char* dst, const c10::cuda::CUDAStream& dst_stream, const char* src,
                  const c10::cuda::CUDAStream& src_stream, size_t bytes) {
+  TORCH_CHECK(!stream_capturing(src_stream) && !stream_capturing(dst_stream),
+              "fastdp: a copy between GPUs without peer access goes through host memory and ",
+              "cannot be captured into a CUDA graph; set FASTDP_DISABLE_EXT=1 for torch's copies");
   const size_t window = staged_copy_window(bytes, pinned_pool_capacity());
   std::vector<char> pageable;
   for (size_t off = 0; off < bytes; off += window) {
     const size_t n = std::min(window, bytes - off);
-    PinnedBlock block = pinned_acquire(n);
+    PinnedBlock block = pinned_acquire(n, src_stream);
     if (!block && pageable.size() < n) pageable.resize(n);
     void* host = block ? block.data() : pageable.data();
     {

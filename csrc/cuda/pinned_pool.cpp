@@ -18,6 +18,7 @@
 // capacity forces it or on empty_cache(), both outside the lock. A block is lent again once the
 // events its streams recorded completed; at capacity the pool waits on the oldest block's events,
 // also outside the lock. The pool is leaked at exit: cudaFreeHost after runtime shutdown crashes.
+// Under graph capture: NOTE [ Pinned blocks and graphs ] in pinned_pool_core.h.
 
 namespace fastdp {
 namespace {
@@ -36,18 +37,20 @@ size_t capacity_from_env() {
 
 struct CudaHostBackend {
   using Event = at::cuda::CUDAEvent;
-  static void* alloc(size_t bytes) {
+  void* alloc(size_t bytes) {
     void* ptr = nullptr;
     // Portable: any device's copy may use the block.
-    if (cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable) != cudaSuccess) {
-      (void)cudaGetLastError();  // out of pinned memory: the caller takes the unstaged path
+    const cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // out of pinned memory only: the caller takes the unstaged path
       return nullptr;
     }
+    C10_CUDA_CHECK(err);  // any other error (an earlier fault, a broken capture) is the caller's
     return ptr;
   }
-  static void free(void* p) { C10_CUDA_CHECK_WARN(cudaFreeHost(p)); }
-  static bool done(Event& e) { return e.query(); }
-  static void wait(Event& e) { e.synchronize(); }
+  void free(void* p) { C10_CUDA_CHECK_WARN(cudaFreeHost(p)); }
+  bool done(Event& e) { return e.query(); }
+  void wait(Event& e) { e.synchronize(); }
 };
 
 using Pool = BlockPool<CudaHostBackend>;
@@ -72,6 +75,7 @@ void* PinnedBlock::data() const { return state_->ptr; }
 size_t PinnedBlock::size() const { return state_->size; }
 
 void PinnedBlock::record(const c10::cuda::CUDAStream& stream) {
+  if (state_->graph) return;  // held by a graph for good: NOTE [ Pinned blocks and graphs ]
   at::cuda::CUDAEvent event;
   event.record(stream);
   state_->events.push_back(std::move(event));
@@ -81,7 +85,15 @@ void PinnedBlock::reset() {
   if (state_ != nullptr) pool().release(std::exchange(state_, nullptr));
 }
 
-PinnedBlock pinned_acquire(size_t bytes) { return PinnedBlock(pool().acquire(bytes)); }
+bool stream_capturing(const c10::cuda::CUDAStream& stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+PinnedBlock pinned_acquire(size_t bytes, const c10::cuda::CUDAStream& stream) {
+  return PinnedBlock(pool().acquire(bytes, stream_capturing(stream)));
+}
 
 std::vector<std::pair<std::string, int64_t>> pinned_pool_stats() { return pool().stats(); }
 

@@ -37,7 +37,8 @@ class PinnedBlock {
   explicit operator bool() const { return state_ != nullptr; }
   void* data() const;
   size_t size() const;
-  // Marks the block in use by the work enqueued so far on `stream` (any device).
+  // Marks the block in use by the work enqueued so far on `stream` (any device). Nothing for a
+  // block held by a graph (no event is recorded during a capture).
   void record(const c10::cuda::CUDAStream& stream);
   // Returns the block to the pool now (after its recorded events, for reuse).
   void reset();
@@ -46,11 +47,16 @@ class PinnedBlock {
   PinnedBlockState* state_ = nullptr;
 };
 
-// A block of at least `bytes` (> 0) bytes, of a fixed size class (pinned_size_class). May wait on
-// the oldest in-flight block when the pool is at capacity (an event wait outside the pool's lock,
-// never a device sync). Empty when bytes exceed the capacity (FASTDP_PINNED_POOL_MB, default 256;
-// 0 disables staging), every block is lent, or cudaHostAlloc fails.
-PinnedBlock pinned_acquire(size_t bytes);
+// A block of at least `bytes` (> 0) bytes, of a fixed size class (pinned_size_class), for copies
+// on `stream`. May wait on the oldest in-flight block when the pool is at capacity (an event wait
+// outside the pool's lock, never a device sync). Empty when bytes exceed the capacity
+// (FASTDP_PINNED_POOL_MB, default 256; 0 disables staging), every block is lent, or cudaHostAlloc
+// runs out of memory (other CUDA errors throw). While `stream` is being captured into a CUDA
+// graph the block is the graph's for good: NOTE [ Pinned blocks and graphs ].
+PinnedBlock pinned_acquire(size_t bytes, const c10::cuda::CUDAStream& stream);
+
+// Whether `stream` is being captured into a CUDA graph.
+bool stream_capturing(const c10::cuda::CUDAStream& stream);
 
 // pinned_pool_stats, pinned_pool_set_capacity and pinned_pool_empty_cache: see transfer.h.
 
