@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
+from torch.utils.checkpoint import checkpoint
 
 D = 4
 VOCAB = 10
@@ -33,6 +34,7 @@ STRUCTURE = (
     "sparse_emb",
     "weight_norm",
     "conv_cl",
+    "checkpoint",
 )
 FORWARD_WRITES = (
     "attr_write",
@@ -89,6 +91,8 @@ class OracleNet(nn.Module):
             self.wn = weight_norm(nn.Linear(D, D))
         if "conv_cl" in f:
             self.conv = nn.Conv2d(2, 2, 1).to(memory_format=torch.channels_last)
+        if "checkpoint" in f:  # reentrant: each replica's recompute is a nested backward
+            self.ck = nn.Linear(D, D)
         if "buffer_reassign" in f:
             self.register_buffer("count", torch.zeros(1))
         if "buffer_inplace" in f:
@@ -170,4 +174,9 @@ class OracleNet(nn.Module):
         if "conv_cl" in f:
             y = self.conv(h.reshape(-1, 2, 1, 2).contiguous(memory_format=torch.channels_last))
             h = h + y.reshape(h.shape[0], D)
+        if "checkpoint" in f:
+            h = h + checkpoint(self._checkpointed, h, use_reentrant=True)
         return h
+
+    def _checkpointed(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.ck(h))
