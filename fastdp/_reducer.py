@@ -25,19 +25,20 @@ same-device rows itself and calls Python once per bucket, not per gradient; rows
 go to ``reduce_add``. Without it, ``BucketReduce`` below, made every step.
 
 NOTE [ no_sync ]
-Under ``FastDataParallel.no_sync()`` (DDP's API, decided at forward time) replicas run on leaves:
-``detach()`` views of the persistent replica tensors, whose ``.grad`` accumulate on each
-replica's device; nothing is reduced and the originals' ``.grad`` are untouched, so ``M``
-micro-steps cost two reductions (a fold and the last step's), not ``M``. The next grad-enabled
-forward outside ``no_sync()`` folds every generation of leaves (tensors renewed mid-cycle get new
-leaves; the old ones keep what graphs still owe them) into the originals' ``.grad``, which then
-equal plain accumulation. Copy rows are refilled every micro-step (``.data`` edits bump no
-version); while a micro-step's backward has not run (a probe on each row's first leaf) the set
-renews what that graph saved instead of overwriting it. ``zero_grad()`` drops pending gradients.
+Under ``no_sync()`` (DDP's API, decided at forward time) replicas run on leaves (``detach()``
+views of the replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is
+reduced, so ``M`` micro-steps cost two reductions (a fold and the last step's), not ``M``. The
+next grad-enabled forward outside folds every generation of leaves (tensors renewed mid-cycle
+get new leaves; the old keep what graphs still owe them) into the originals' ``.grad``: plain
+accumulation. A probe on each row's first leaf tells whether a micro-step's backward has run:
+until it has, a refresh renews what that graph saved instead of overwriting it, and a fold
+waits for it (an engine callback). Copy rows are refilled every micro-step (``.data`` edits bump
+no version). ``zero_grad()`` drops pending gradients.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -167,6 +168,23 @@ class Pending:
 
     def __init__(self, value: bool = True) -> None:
         self.value = value
+
+
+class Probe(Pending):
+    """Whether a micro-step's backward has yet to run; ``then``: what to queue when it runs (a
+    fold that had to wait for it: see ``Reducer.take_pending``)."""
+
+    __slots__ = ("then",)
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.then: Any = None
+
+    def ran(self, _grads: Any) -> None:
+        self.value = False
+        then, self.then = self.then, None
+        if then is not None:
+            _torch_private.queue_engine_callback(then)
 
 
 class BucketGroup:
@@ -458,7 +476,7 @@ class Reducer:
         self._rows: tuple = (None, [])  # (tensors, per bucket its rows of them)
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
         self.retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
-        self.probe = Pending(False)  # a micro-step's backward has not run yet
+        self.probe = Probe()  # a micro-step's backward has not run yet
         self.probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
         self.marks: tuple = ()
 
@@ -525,10 +543,10 @@ class Reducer:
     # DataParallel's one ``Broadcast`` node runs last in the outer backward when its sequence
     # number is older than the forward's; the early node would run before the nested ones and the
     # hook would act again on the finished gradient. So while a source has such a hook, the nodes
-    # get the lowest sequence number: they run last (no early reduction), as the plain module's
-    # ``AccumulateGrad`` would, whichever thread ran the forward.
+    # get the lowest sequence number: they run after the nested backwards (no early reduction),
+    # unless a checkpoint node ties at 0 (the first node a fresh worker thread makes).
     def _set_turns(self) -> None:
-        """Each node's turn in backward: the earliest (NOTE [ Early reduction ]) or its own
+        """Each node's turn in backward: the earliest (NOTE [ Early reduction ]) or the last
         (NOTE [ Late reduction ])."""
         nr = _torch_private.MAX_SEQUENCE_NR if self.early else 0
         for node in self.nodes:
@@ -559,16 +577,12 @@ class Reducer:
         """A micro-step's forward runs on the leaves: ``graph_alive`` holds until its backward
         accumulates into a row's first leaf that requires grad (one hook per row and leaves)."""
         if not self.probe_nodes:
-            probe = self.probe = Pending(False)  # no replica tensor: the hooks make no cycle
-
-            def ran(_grads: Any) -> None:
-                probe.value = False
-
+            self.probe = Probe()  # holds no replica tensor: the hooks make no cycle
             for row in self.leaves or ():
                 leaf = next((t for t in row if t.requires_grad), None)
                 if leaf is not None:
                     node = torch.autograd.graph.get_gradient_edge(leaf).node
-                    node.register_prehook(ran)
+                    node.register_prehook(self.probe.ran)
                     self.probe_nodes.append(node)
         self.probe.value = bool(self.probe_nodes)
 
@@ -603,9 +617,15 @@ class Reducer:
     def take_pending(self) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
         """``(sources, leaves)`` per generation of this cycle's leaves, with their gradients
         (none if ``zero_grad`` dropped them), ending the cycle: the next ``no_sync`` micro-step
-        makes fresh leaves."""
+        makes fresh leaves. While the last micro-step's backward has yet to run (its forward
+        inside ``no_sync()``, its backward after a forward outside), the fold waits for it: it
+        runs when that backward ends, and none is returned now."""
         generations = self._generations()
         self.leaves, self.retired, self.probe_nodes = None, [], []
         if not generations or grad_marks(self.sources) != self.marks:
             return []
-        return [(self.sources, leaves) for leaves in generations]
+        pending = [(self.sources, leaves) for leaves in generations]
+        if self.probe.value:
+            self.probe.then = functools.partial(fold, pending, self.stats)  # not self: no cycle
+            return []
+        return pending

@@ -223,3 +223,19 @@ def test_post_accumulate_hook_with_reentrant_checkpoint(storage, launch):
         _assert_same(dp.module, plain)
         if launch == "inline":  # on threads, Broadcast's turn depends on their counters
             _assert_same(fresh.module, plain)
+
+
+@pytest.mark.usefixtures("launch", "backend")
+def test_no_sync_forward_whose_backward_follows_a_synced_forward(storage):
+    """D(fake) inside ``no_sync()``, D(real) outside, one backward of both: the fold, due at
+    the second forward, waits for that backward (the first graph's gradients come with it)."""
+    dp, fresh, _ = _pair(Normed())
+    torch.manual_seed(1)
+    xs = [torch.randn(6, D, dtype=torch.float64) for _ in range(3)]
+    for dp_ in (dp, fresh):
+        with dp_.no_sync():
+            a = dp_(xs[0])
+        b = dp_(xs[1])
+        (a.pow(2).sum() + b.sum()).backward()
+        dp_(xs[2]).sum().backward()
+    _assert_same(dp.module, fresh.module)
