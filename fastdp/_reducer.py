@@ -32,8 +32,8 @@ next grad-enabled forward outside folds every generation of leaves (tensors rene
 get new leaves; the old keep what graphs still owe them) into the originals' ``.grad``: plain
 accumulation. A probe on each row's first leaf tells whether a micro-step's backward has run:
 until it has, a refresh renews what that graph saved instead of overwriting it, and a fold
-waits for it (an engine callback). Copy rows are refilled every micro-step (``.data`` edits bump
-no version). ``zero_grad()`` drops pending gradients.
+runs again when it ends (an engine callback). Copy rows are refilled every micro-step
+(``.data`` edits bump no version). ``zero_grad()`` drops pending gradients.
 """
 
 from __future__ import annotations
@@ -418,7 +418,8 @@ def fold(
     """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
     in-place add) through the one reducer (NOTE [ One reducer ]); returns how many sources
     received gradients. A source that requires grad and that no replica computed a gradient
-    for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one)."""
+    for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one).
+    The leaves' ``.grad`` are taken (None after): a graph still to run its backward adds anew."""
     received = 0
     for sources, leaves in pending:
         hit = [k for k in range(len(sources)) if any(row[k].grad is not None for row in leaves)]
@@ -443,6 +444,9 @@ def fold(
                     s.grad = total.add_(s.grad)  # AccumulateGrad's out-of-place dense sum
                 else:
                     s.grad += total
+        for row in leaves:
+            for k in hit:
+                row[k].grad = None
         received += len(hit)
     return received
 
@@ -618,8 +622,8 @@ class Reducer:
         """``(sources, leaves)`` per generation of this cycle's leaves, with their gradients
         (none if ``zero_grad`` dropped them), ending the cycle: the next ``no_sync`` micro-step
         makes fresh leaves. While the last micro-step's backward has yet to run (its forward
-        inside ``no_sync()``, its backward after a forward outside), the fold waits for it: it
-        runs when that backward ends, and none is returned now."""
+        inside ``no_sync()``, its backward after a forward outside), what it adds to the leaves
+        is folded again when that backward ends."""
         generations = self._generations()
         self.leaves, self.retired, self.probe_nodes = None, [], []
         if not generations or grad_marks(self.sources) != self.marks:
@@ -627,5 +631,4 @@ class Reducer:
         pending = [(self.sources, leaves) for leaves in generations]
         if self.probe.value:
             self.probe.then = functools.partial(fold, pending, self.stats)  # not self: no cycle
-            return []
         return pending

@@ -239,3 +239,30 @@ def test_no_sync_forward_whose_backward_follows_a_synced_forward(storage):
         (a.pow(2).sum() + b.sum()).backward()
         dp_(xs[2]).sum().backward()
     _assert_same(dp.module, fresh.module)
+
+
+class FirstUnused(nn.Module):
+    """The first parameter is never used (the probe of NOTE [ no_sync ] never fires)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.unused = nn.Linear(D, D)
+        self.lin = nn.Linear(D, 2)
+        self.double()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.usefixtures("launch", "backend")
+def test_no_sync_when_the_first_parameter_is_unused(storage):
+    dp, fresh, _ = _pair(FirstUnused())
+    torch.manual_seed(1)
+    xs = [torch.randn(6, D, dtype=torch.float64) for _ in range(4)]
+    for dp_ in (dp, fresh):
+        for x in xs[:3]:
+            with dp_.no_sync():
+                dp_(x).pow(2).sum().backward()
+        dp_(xs[3]).sum().backward()
+    _assert_same(dp.module, fresh.module)

@@ -129,8 +129,8 @@ class Oracle(RuleBasedStateMachine):
         if not _buckets.cpu_distinct():  # see the module docstring
             feats -= {"inplace_param"}
         self.feats, self.n, self.pending, self.launch = feats, n, False, launch
-        # a post-accumulate hook with the reentrant checkpoint: see post_hook()
-        self.hooked_checkpoint = False
+        # a post-accumulate hook, with the reentrant checkpoint: see post_hook()
+        self.post_hooked = self.hooked_checkpoint = False
         self.named_only = False  # the last backward named its inputs: see agree()
         model = OracleNet(feats, seed)
         self.runners = [
@@ -247,9 +247,7 @@ class Oracle(RuleBasedStateMachine):
 
     @precondition(
         lambda self: (
-            "no_sync" not in LEFT_OUT
-            and "two_forwards" not in LEFT_OUT
-            and not self.hooked_checkpoint
+            "no_sync" not in LEFT_OUT and "two_forwards" not in LEFT_OUT and not self.post_hooked
         )
     )
     @rule(b1=st.integers(1, 12), b2=st.integers(1, 12), skip=st.none() | st.integers(0, 3))
@@ -318,7 +316,7 @@ class Oracle(RuleBasedStateMachine):
             self.each(lambda r: r.forward(x, idx))
         assert all(isinstance(e, ValueError) for e in self.errors), self.errors
 
-    @precondition(lambda self: "threads" not in LEFT_OUT and not self.hooked_checkpoint)
+    @precondition(lambda self: "threads" not in LEFT_OUT and not self.post_hooked)
     @precondition(lambda self: not self.pending)
     @rule(b1=st.integers(1, 12), b2=st.integers(1, 12))
     def two_threads(self, b1, b2):
@@ -392,8 +390,10 @@ class Oracle(RuleBasedStateMachine):
         DataParallel accumulates zeros in each nested backward (hooks see them), the chunked
         module does not: from then on steps start from ``.grad`` None or zeros, one backward
         each; inline only (on threads, DataParallel's ``Broadcast`` turn depends on the
-        workers' sequence numbers)."""
+        workers' sequence numbers). No two forwards before one backward from then on: each of
+        DataParallel's ``Broadcast`` nodes accumulates, in the order of their sequence numbers."""
         self.each(lambda r: r.add_post_hook("lin.bias", _halve_grad))
+        self.post_hooked = True
         self.hooked_checkpoint = "checkpoint" in self.feats
 
     # --------------------------------------------------------------------------- invariant
