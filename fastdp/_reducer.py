@@ -482,6 +482,7 @@ class Reducer:
         self.retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
         self.probe = Probe()  # a micro-step's backward has not run yet
         self.probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
+        self.probe_at = 0  # where in a row to look for the probe leaf: see watch()
         self.marks: tuple = ()
 
     def start_step(self) -> None:
@@ -579,11 +580,22 @@ class Reducer:
 
     def watch(self) -> None:
         """A micro-step's forward runs on the leaves: ``graph_alive`` holds until its backward
-        accumulates into a row's first leaf that requires grad (one hook per row and leaves)."""
+        accumulates into a row's probe leaf (one hook per row and leaves): the first that
+        requires grad, or, once that one went without, the first that received a gradient."""
+        if self.probe.value:  # the last probe did not fire
+            got = [
+                k
+                for gen in self._generations()
+                for row in gen
+                for k, t in enumerate(row)
+                if t.grad is not None
+            ]
+            if got and min(got) != self.probe_at:
+                self.probe_at, self.probe_nodes = min(got), []
         if not self.probe_nodes:
             self.probe = Probe()  # holds no replica tensor: the hooks make no cycle
             for row in self.leaves or ():
-                leaf = next((t for t in row if t.requires_grad), None)
+                leaf = next((t for t in row[self.probe_at :] if t.requires_grad), None)
                 if leaf is not None:
                     node = torch.autograd.graph.get_gradient_edge(leaf).node
                     node.register_prehook(self.probe.ran)
