@@ -128,6 +128,8 @@ class Oracle(RuleBasedStateMachine):
         feats = frozenset(feats) - LEFT_OUT
         if not _buckets.cpu_distinct():  # see the module docstring
             feats -= {"inplace_param"}
+        if "checkpoint" in feats:  # DataParallel's replica tensors are not leaves: a hook
+            feats -= {"hooks_in_forward"}  # there gets None from a nested backward
         self.feats, self.n, self.pending, self.launch = feats, n, False, launch
         # a post-accumulate hook, with the reentrant checkpoint: see post_hook()
         self.post_hooked = self.hooked_checkpoint = False
