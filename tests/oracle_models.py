@@ -110,6 +110,9 @@ class OracleNet(nn.Module):
             raise ValueError("replica asked to fail")
         skip = bool((idx == SKIP).any())
         h = self._writes_before(x)
+        if "checkpoint" in self.feats:  # its own leaf input: the other parameters' gradients
+            # are ready before the recompute, so a bucket node may run before the nested backward
+            h = h + checkpoint(self._checkpointed, h.detach().requires_grad_(), use_reentrant=True)
         if "view" in self.feats:  # a 1-row chunk makes p's gradient a view of another's
             h = h + torch.tanh(self.lin(h) + self.p.view(1, D))
         else:
@@ -174,8 +177,6 @@ class OracleNet(nn.Module):
         if "conv_cl" in f:
             y = self.conv(h.reshape(-1, 2, 1, 2).contiguous(memory_format=torch.channels_last))
             h = h + y.reshape(h.shape[0], D)
-        if "checkpoint" in f:
-            h = h + checkpoint(self._checkpointed, h, use_reentrant=True)
         return h
 
     def _checkpointed(self, h: torch.Tensor) -> torch.Tensor:
