@@ -125,6 +125,7 @@ class ReplicaSet:
         self.shared_versions: list[int] = []
         self.warned_shared = False
         self.row0_originals = False  # see refresh()
+        self.untracked = False  # the last forward may have made a graph no node tracks
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self.tensors = self._new_tensors()
             self._new_buffer_copies()
@@ -327,13 +328,16 @@ class ReplicaSet:
             return Replicas(self._refresh_no_sync(renewed), self)
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
-        if self.reducer.graph_alive():  # a live graph may still need the copies' old values
-            if not self.linked or self.copy_rows:
+        # a live graph may still need the copies' old values; with no source requiring grad no
+        # node can tell (inputs that require grad make graphs all the same): assume one is
+        if self.reducer.graph_alive() or self.untracked:
+            if not self.linked or self.copy_rows or self.untracked:
                 self._renew()
             self._renew_buffers()
         self._copy_buffers()
         if self.copy_rows:
             self.copy_sources()
+        self.untracked = not self.any_grad and torch.is_grad_enabled()
         self.reducer.arm(self.tensors, self.any_grad and torch.is_grad_enabled())
         if self.reseal or self.attrs.snap is None:
             self.seal()
