@@ -266,3 +266,21 @@ def test_no_sync_when_the_first_parameter_is_unused(storage):
                 dp_(x).pow(2).sum().backward()
         dp_(xs[3]).sum().backward()
     _assert_same(dp.module, fresh.module)
+
+
+@pytest.mark.usefixtures("launch", "backend")
+def test_frozen_model_two_forwards_with_batchnorm(storage):
+    """No source requires grad, so no bucket node tracks the graph; an input that requires
+    grad makes one all the same, and it saved the replicas' copies."""
+    dp, fresh, plain = _pair(Normed().requires_grad_(False))
+    torch.manual_seed(1)
+    xs = [torch.randn(6, D, dtype=torch.float64) for _ in range(2)]
+    grads = []
+    for dp_ in (dp, fresh):
+        inputs = [x.clone().requires_grad_() for x in xs]
+        a, b = dp_(inputs[0]), dp_(inputs[1])
+        (a.pow(2).sum() + b.sum()).backward()
+        grads.append([x.grad for x in inputs])
+    for g, h in zip(*grads):
+        torch.testing.assert_close(g, h)
+    _assert_same(dp.module, fresh.module)
