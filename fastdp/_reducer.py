@@ -25,21 +25,20 @@ same-device rows itself and calls Python once per bucket, not per gradient; rows
 go to ``reduce_add``. Without it, ``BucketReduce`` below, made every step.
 
 NOTE [ no_sync ]
-Under ``FastDataParallel.no_sync()`` (DDP's API, decided at forward time) replicas run on leaves:
-``detach()`` views of the persistent replica tensors, made once per accumulation cycle, whose
-``.grad`` accumulate on each replica's device; nothing is reduced and the originals' ``.grad``
-are untouched, so ``M`` micro-steps cost two reductions (a fold and the last step's), not ``M``.
-The next grad-enabled forward outside ``no_sync()`` folds them into the originals' ``.grad``
-(``fold``), which then equal plain accumulation. Pending gradients are never overwritten: copy
-rows are copied on a cycle's first micro-step and again only when the originals changed in place
-since (version counters), onto fresh tensors whose leaves take over the pending gradients; a set
-rebuilt mid-cycle stays registered until the fold. A ``zero_grad()`` that changes the originals'
-``.grad`` drops them. Parameters with hooks (``register_hook``, post-accumulate hooks) must see
-every micro-step's gradient, so such a set reduces each micro-step as outside ``no_sync()``.
+Under ``no_sync()`` (DDP's API, decided at forward time) replicas run on leaves (``detach()``
+views of the replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is
+reduced, so ``M`` micro-steps cost two reductions (a fold and the last step's), not ``M``. The
+next grad-enabled forward outside folds every generation of leaves (tensors renewed mid-cycle
+get new leaves; the old keep what graphs still owe them) into the originals' ``.grad``: plain
+accumulation. A probe on each row's first leaf tells whether a micro-step's backward has run:
+until it has, a refresh renews what that graph saved instead of overwriting it, and a fold
+runs again when it ends (an engine callback). Copy rows are refilled every micro-step
+(``.data`` edits bump no version). ``zero_grad()`` drops pending gradients.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -170,6 +169,23 @@ class Pending:
 
     def __init__(self, value: bool = True) -> None:
         self.value = value
+
+
+class Probe(Pending):
+    """Whether a micro-step's backward has yet to run; ``then``: what to queue when it runs (a
+    fold that had to wait for it: see ``Reducer.take_pending``)."""
+
+    __slots__ = ("then",)
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.then: Any = None
+
+    def ran(self, _grads: Any) -> None:
+        self.value = False
+        then, self.then = self.then, None
+        if then is not None:
+            _torch_private.queue_engine_callback(then)
 
 
 class BucketGroup:
@@ -355,7 +371,7 @@ def link_bucket(
     native: bool = False,
     anchor: torch.Tensor | None = None,
 ) -> Any:
-    """Apply the bucket's node (grad mode on) and give it the earliest turn in backward.
+    """Apply the bucket's node (grad mode on); returns it (``Reducer`` sets its turn).
 
     ``native``: the extension's C++ node (made once per tensor set: the Python Function's
     machinery costs ~2 us per gradient, which small models feel); else the ``BucketReduce``
@@ -367,10 +383,7 @@ def link_bucket(
         )
     else:
         outs = BucketReduce.apply(link, rows, anchor, *sources)
-    node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
-    if node is not None:
-        _torch_private.set_sequence_nr(node)
-    return node
+    return next((t.grad_fn for t in outs if t.grad_fn is not None), None)
 
 
 _VERSION = operator.attrgetter("_version")
@@ -406,7 +419,8 @@ def fold(
     """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
     in-place add) through the one reducer (NOTE [ One reducer ]); returns how many sources
     received gradients. A source that requires grad and that no replica computed a gradient
-    for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one)."""
+    for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one).
+    The leaves' ``.grad`` are taken (None after): a graph still to run its backward adds anew."""
     received = 0
     for sources, leaves in pending:
         hit = [k for k in range(len(sources)) if any(row[k].grad is not None for row in leaves)]
@@ -427,8 +441,13 @@ def fold(
                 s = sources[k]
                 if s.grad is None:
                     s.grad = total
+                elif s.grad.is_sparse and not total.is_sparse:
+                    s.grad = total.add_(s.grad)  # AccumulateGrad's out-of-place dense sum
                 else:
                     s.grad += total
+        for row in leaves:
+            for k in hit:
+                row[k].grad = None
         received += len(hit)
     return received
 
@@ -457,8 +476,14 @@ class Reducer:
         self.bucket_sources = [(s, sum(map(tensor_bytes, s))) for s in per_bucket]  # and bytes
         self.pending = Pending(False)
         self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
+        self.nodes: list[Any] = []  # the bucket nodes
+        self.early = True  # NOTE [ Late reduction ]
         self._rows: tuple = (None, [])  # (tensors, per bucket its rows of them)
         self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
+        self.retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
+        self.probe = Probe()  # a micro-step's backward has not run yet
+        self.probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
+        self.probe_at = 0  # where in a row to look for the probe leaf: see watch()
         self.marks: tuple = ()
 
     def start_step(self) -> None:
@@ -476,18 +501,22 @@ class Reducer:
                 tensors,
                 [[[row[i] for i in b] for row in tensors] for b in self.buckets],
             )
+        self.nodes = []
         with torch.enable_grad(), torch.inference_mode(False):
             anchor = None
             if not self.native and len(self.buckets) > 1:  # NOTE [ Unreached buckets ]
                 anchor = UnreachedAnchor.apply(self.group, *self.group.flat)
             for b, (rows, (sources, size)) in enumerate(zip(self._rows[1], self.bucket_sources)):
-                link_bucket(
+                node = link_bucket(
                     BucketLink(b, sources, self.dest, self.stats, self.pending, self.group, size),
                     rows,
                     sources,
                     native=self.native,
                     anchor=anchor,
                 )
+                if node is not None:
+                    self.nodes.append(node)
+        self._set_turns()
         ext = _backend.ext()
         if self.native and ext is not None:
             for bucket in self.buckets:
@@ -499,15 +528,40 @@ class Reducer:
 
     def arm(self, tensors: list[list[torch.Tensor]], grad: bool) -> None:
         """This step's forward runs on ``tensors`` and its backward reduces (``grad``), or not."""
+        self.probe.value = False  # whatever a micro-step's graph held was renewed before this
         if not grad:
             self.pending.value = False
-        elif self.native:  # the nodes made by link() serve every step
+            return
+        early = not any(map(_POST_HOOKS, self.sources))
+        if self.native:  # the nodes made by link() serve every step
             self.pending.value = True
+            if early != self.early:
+                self.early = early
+                self._set_turns()
         else:
+            self.early = early
             self.link(tensors, Pending(True))
 
+    # NOTE [ Late reduction ]
+    # A post-accumulate-grad hook acts on ``.grad`` itself, so it sees how many times and in
+    # which order the bucket nodes accumulate. A backward may reach a node more than once: each
+    # replica's reentrant checkpoint recomputes in a nested backward that reaches it again.
+    # DataParallel's one ``Broadcast`` node runs last in the outer backward when its sequence
+    # number is older than the forward's; the early node would run before the nested ones and the
+    # hook would act again on the finished gradient. So while a source has such a hook, the nodes
+    # get the lowest sequence number: they run after the nested backwards (no early reduction),
+    # unless a checkpoint node ties at 0 (the first node a fresh worker thread makes).
+    def _set_turns(self) -> None:
+        """Each node's turn in backward: the earliest (NOTE [ Early reduction ]) or the last
+        (NOTE [ Late reduction ])."""
+        nr = _torch_private.MAX_SEQUENCE_NR if self.early else 0
+        for node in self.nodes:
+            _torch_private.set_sequence_nr(node, nr)
+
     def graph_alive(self) -> bool:
-        """Whether the last step's graph may still need the current tensors."""
+        """Whether the last step's graph (a micro-step's too) may still need the current tensors."""
+        if self.probe.value:
+            return True
         if not self.pending.value:
             return False
         if not self.native:
@@ -516,19 +570,43 @@ class Reducer:
         return any(ext.grad_fn_use_count(t) > base for t, base in self.probes)
 
     def new_leaves(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
-        """Leaves on ``tensors`` for a ``no_sync`` cycle; gradients pending on the old ones move
-        to them."""
-        old = self.leaves
+        """Leaves on ``tensors`` for a ``no_sync`` cycle; the old ones, if any, are retired with
+        their gradients (a graph still alive may add to them) until the fold."""
+        if self.leaves is not None:
+            self.retired.append(self.leaves)
         self.leaves = make_leaves(tensors, self.sources)
+        self.probe_nodes = []
         if in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
             mark_static(self.leaves)
-        for new_row, old_row in zip(self.leaves, old or ()):
-            for new, leaf in zip(new_row, old_row):
-                new.grad = leaf.grad
+
+    def watch(self) -> None:
+        """A micro-step's forward runs on the leaves: ``graph_alive`` holds until its backward
+        accumulates into a row's probe leaf (one hook per row and leaves): the first that
+        requires grad, or, once that one went without, the first that received a gradient."""
+        if self.probe.value:  # the last probe did not fire
+            got = [
+                k
+                for gen in self._generations()
+                for row in gen
+                for k, t in enumerate(row)
+                if t.grad is not None
+            ]
+            if got and min(got) != self.probe_at:
+                self.probe_at, self.probe_nodes = min(got), []
+        if not self.probe_nodes:
+            self.probe = Probe()  # holds no replica tensor: the hooks make no cycle
+            for row in self.leaves or ():
+                leaf = next((t for t in row[self.probe_at :] if t.requires_grad), None)
+                if leaf is not None:
+                    node = torch.autograd.graph.get_gradient_edge(leaf).node
+                    node.register_prehook(self.probe.ran)
+                    self.probe_nodes.append(node)
+        self.probe.value = bool(self.probe_nodes)
 
     def start_cycle(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
         """The first micro-step of a ``no_sync`` cycle: nothing linked, fresh leaves."""
         self.pending.value = False
+        self.retired = []
         self.new_leaves(tensors, in_order)
         self.marks = grad_marks(self.sources)
 
@@ -541,7 +619,7 @@ class Reducer:
     def drop_pending(self, zeros: bool = False) -> None:
         """Forget the pending gradients; ``zeros``: ``zero_grad(set_to_none=False)``, which
         leaves zeros where plain accumulation would have had a gradient."""
-        rows = self.leaves or ()
+        rows = [row for gen in self._generations() for row in gen]
         if zeros and any(leaf.grad is not None for row in rows for leaf in row):
             for s in self.sources:  # a reduce gives every source a gradient (zeros if unused)
                 if s.grad is None and s.requires_grad:
@@ -550,10 +628,20 @@ class Reducer:
             for leaf in row:
                 leaf.grad = None
 
-    def take_pending(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
-        """The leaves with their gradients (None if ``zero_grad`` dropped them), ending the
-        cycle: the next ``no_sync`` micro-step makes fresh leaves."""
-        leaves, self.leaves = self.leaves, None
-        if leaves is None or grad_marks(self.sources) != self.marks:
-            return None
-        return self.sources, leaves
+    def _generations(self) -> list[list[list[torch.Tensor]]]:
+        return self.retired + ([] if self.leaves is None else [self.leaves])
+
+    def take_pending(self) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
+        """``(sources, leaves)`` per generation of this cycle's leaves, with their gradients
+        (none if ``zero_grad`` dropped them), ending the cycle: the next ``no_sync`` micro-step
+        makes fresh leaves. While the last micro-step's backward has yet to run (its forward
+        inside ``no_sync()``, its backward after a forward outside), what it adds to the leaves
+        is folded again when that backward ends."""
+        generations = self._generations()
+        self.leaves, self.retired, self.probe_nodes = None, [], []
+        if not generations or grad_marks(self.sources) != self.marks:
+            return []
+        pending = [(self.sources, leaves) for leaves in generations]
+        if self.probe.value:
+            self.probe.then = functools.partial(fold, pending, self.stats)  # not self: no cycle
+        return pending

@@ -124,8 +124,8 @@ class ReplicaSet:
         self.shared_frozen: list[torch.Tensor] = []  # see _warn_shared_writes()
         self.shared_versions: list[int] = []
         self.warned_shared = False
-        self.copied: list[int] | None = None  # the sources' versions at the last no_sync copy
         self.row0_originals = False  # see refresh()
+        self.untracked = False  # the last forward may have made a graph no node tracks
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self.tensors = self._new_tensors()
             self._new_buffer_copies()
@@ -309,7 +309,8 @@ class ReplicaSet:
         if self.stats is not None:
             self.stats["buckets"] = self.n_buckets or self._count_buckets()
         self.reducer.start_step()
-        if self._tainted():  # first: what the last forward's replicas held, as sealed
+        renewed = self._tainted()  # first: what the last forward's replicas held, as sealed
+        if renewed:
             self._renew_all()
         elif self.attrs.undo_forward_writes():
             self._point_slots()
@@ -323,17 +324,20 @@ class ReplicaSet:
             and self.any_grad
             and torch.is_grad_enabled()
             and not has_grad_hooks(self.sources)
-        ):  # NOTE [ no_sync ]
-            return Replicas(self._refresh_no_sync(), self)
+        ):  # NOTE [ no_sync ]; hooks on the originals must see every micro-step's gradient
+            return Replicas(self._refresh_no_sync(renewed), self)
         if self.leaf_mode:
             self._assign()  # back to the linked tensors; the leaves wait for the fold
-        if self.reducer.graph_alive():  # a live graph may still need the copies' old values
-            if not self.linked or self.copy_rows:
+        # a live graph may still need the copies' old values; with no source requiring grad no
+        # node can tell (inputs that require grad make graphs all the same): assume one is
+        if self.reducer.graph_alive() or self.untracked:
+            if not self.linked or self.copy_rows or self.untracked:
                 self._renew()
             self._renew_buffers()
         self._copy_buffers()
         if self.copy_rows:
             self.copy_sources()
+        self.untracked = not self.any_grad and torch.is_grad_enabled()
         self.reducer.arm(self.tensors, self.any_grad and torch.is_grad_enabled())
         if self.reseal or self.attrs.snap is None:
             self.seal()
@@ -392,10 +396,9 @@ class ReplicaSet:
 
     def _renew_all(self) -> None:
         """Fresh tensors for every replica (NOTE [ Tensors a forward changed ]); gradients
-        pending under ``no_sync`` move to fresh leaves."""
+        pending under ``no_sync`` stay on the old leaves until the fold."""
         self._renew()
         self._renew_buffers()
-        self.copied = None  # the fresh copies are filled by this refresh
         if self.reducer.leaves is not None:
             self.reducer.new_leaves(self.tensors, self.in_order)
 
@@ -404,26 +407,30 @@ class ReplicaSet:
         """The replicas' leaves of this ``no_sync`` cycle (None outside one)."""
         return self.reducer.leaves
 
-    def _refresh_no_sync(self) -> list[Module]:
+    def _refresh_no_sync(self, renewed: bool) -> list[Module]:
         """A micro-step under ``no_sync``: replicas on the reducer's leaves, nothing linked or
-        reduced (NOTE [ no_sync ] in fastdp/_reducer.py)."""
+        reduced (NOTE [ no_sync ] in fastdp/_reducer.py). ``renewed``: the set just renewed
+        every tensor."""
         first = self.reducer.leaves is None
-        versions = list(map(_VERSION, self.sources)) if self.copy_rows else None
+        # a graph that saved the copies awaits its backward
+        alive = not renewed and self.reducer.graph_alive()
         if first:
-            if self.reducer.graph_alive() and (self.copy_rows or not self.linked):
+            if alive and (self.copy_rows or not self.linked):
                 self._renew()
             self.reducer.start_cycle(self.tensors, self.in_order)
         else:
             self.reducer.drop_if_zeroed()
-            if versions != self.copied:  # pending graphs may still need the old copies
-                self._renew_all()
+            if alive and self.copy_rows:
+                self._renew_all()  # new leaves; the old keep what that graph owes them
+        if alive:
+            self._renew_buffers()
         if not self.leaf_mode:
             self._assign(self.reducer.leaves)
         self._copy_buffers()
-        if first or versions != self.copied:
+        if self.copy_rows:  # every micro-step: ``p.data.clamp_()`` changes no version
             with torch.no_grad():
                 self.copy_sources()
-            self.copied = versions
+        self.reducer.watch()
         self.seal()
         return self.replicas
 
@@ -431,7 +438,7 @@ class ReplicaSet:
         """``zero_grad()``: the gradients pending under ``no_sync`` go (see ``Reducer``)."""
         self.reducer.drop_pending(zeros)
 
-    def take_pending(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
+    def take_pending(self) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
         """The pending ``no_sync`` gradients for the fold (``Reducer.take_pending``); the slots go
         back to the linked tensors."""
         pending = self.reducer.take_pending()

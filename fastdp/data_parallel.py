@@ -307,7 +307,7 @@ class FastDataParallel(DataParallel):
             rs.drop_pending(zeros=not set_to_none)
 
     def _fold_pending(self) -> None:
-        pending = [p for p in (rs.take_pending() for rs in self._pending_sets.values()) if p]
+        pending = [p for rs in self._pending_sets.values() for p in rs.take_pending()]
         self._pending_sets = {}
         self.no_sync_stats["folds"] += 1
         fold(pending, self._comm)

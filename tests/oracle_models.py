@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
+from torch.utils.checkpoint import checkpoint
 
 D = 4
 VOCAB = 10
@@ -33,6 +34,7 @@ STRUCTURE = (
     "sparse_emb",
     "weight_norm",
     "conv_cl",
+    "checkpoint",
 )
 FORWARD_WRITES = (
     "attr_write",
@@ -89,6 +91,8 @@ class OracleNet(nn.Module):
             self.wn = weight_norm(nn.Linear(D, D))
         if "conv_cl" in f:
             self.conv = nn.Conv2d(2, 2, 1).to(memory_format=torch.channels_last)
+        if "checkpoint" in f:  # reentrant: each replica's recompute is a nested backward
+            self.ck = nn.Linear(D, D)
         if "buffer_reassign" in f:
             self.register_buffer("count", torch.zeros(1))
         if "buffer_inplace" in f:
@@ -106,6 +110,9 @@ class OracleNet(nn.Module):
             raise ValueError("replica asked to fail")
         skip = bool((idx == SKIP).any())
         h = self._writes_before(x)
+        if "checkpoint" in self.feats:  # its own leaf input: the other parameters' gradients
+            # are ready before the recompute, so a bucket node may run before the nested backward
+            h = h + checkpoint(self._checkpointed, h.detach().requires_grad_(), use_reentrant=True)
         if "view" in self.feats:  # a 1-row chunk makes p's gradient a view of another's
             h = h + torch.tanh(self.lin(h) + self.p.view(1, D))
         else:
@@ -171,3 +178,6 @@ class OracleNet(nn.Module):
             y = self.conv(h.reshape(-1, 2, 1, 2).contiguous(memory_format=torch.channels_last))
             h = h + y.reshape(h.shape[0], D)
         return h
+
+    def _checkpointed(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.ck(h))

@@ -74,8 +74,8 @@ class Wrapped(Runner):
             model, ["cpu"] * n, persistent=persistent, bucket_cap_mb=cap_mb, launch=launch
         )
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return self.fdp(x, idx)
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        return self.fdp(x, idx)  # ``keep``: the chunked runner's (a graph still alive)
 
     def forward_threads(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
         """The batches through the wrapper, one thread each, started together."""
@@ -115,6 +115,9 @@ class Wrapped(Runner):
     def add_hook(self, name: str, fn: Any) -> None:
         self.param(name).register_hook(fn)
 
+    def add_post_hook(self, name: str, fn: Any) -> None:
+        self.param(name).register_post_accumulate_grad_hook(fn)
+
 
 class Chunked(Runner):
     """DataParallel's semantics by hand (see the module docstring)."""
@@ -124,6 +127,7 @@ class Chunked(Runner):
         self.n = n
         self.live: list[dict] = []  # each copy's parameters as its forward found them
         self.hooks: dict[str, list] = {}
+        self.post_hooks: dict[str, list] = {}  # run once a backward, on the accumulated .grad
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, keep: bool = False) -> torch.Tensor:
         if not keep:
@@ -200,7 +204,15 @@ class Chunked(Runner):
                 ):
                     p.grad = torch.zeros_like(p)  # DataParallel's Broadcast: unused get zeros
                 elif total is not None:
-                    p.grad = total.clone() if p.grad is None else p.grad + total
+                    if p.grad is None:
+                        p.grad = total.clone()
+                    elif p.grad.is_sparse and not total.is_sparse:
+                        p.grad = total + p.grad  # AccumulateGrad's order of layouts
+                    else:
+                        p.grad = p.grad + total
+                    for owner, fn in self.post_hooks.get(name, []):
+                        if owner is p:
+                            fn(p)
 
     def grad(self, loss: torch.Tensor, names: list[str]) -> tuple:
         rows = self._copies_of(names)
@@ -219,6 +231,10 @@ class Chunked(Runner):
     def add_hook(self, name: str, fn: Any) -> None:
         self.param(name).register_hook(fn).remove()  # raises as the wrappers' runners do
         self.hooks.setdefault(name, []).append((self.param(name), fn))
+
+    def add_post_hook(self, name: str, fn: Any) -> None:
+        self.param(name).register_post_accumulate_grad_hook(fn).remove()
+        self.post_hooks.setdefault(name, []).append((self.param(name), fn))
 
 
 def _tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -3,13 +3,15 @@
 A hypothesis state machine draws a model from a grammar of what real models do
 (tests/oracle_models.py: views, expands and transposes of parameters, tied, frozen, unused and
 partly used parameters, BatchNorm, GRU/LSTM, a sparse embedding, weight_norm, a channels_last
-conv; forwards that write attributes, buffers, parameters, ``.data``, hooks and submodules), 2 to 4
-CPU replicas, one bucket or many, a launch strategy and an optimizer; then a training loop's
-operations: steps with ``backward``, ``retain_graph=True`` and two backwards,
-``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without ``zero_grad``,
-``no_sync()`` micro-steps, partial batches, a replica raising, two threads calling one wrapper,
-optimizer steps (SGD, AdamW with weight decay), ``load_state_dict``, in-place edits,
-``requires_grad`` toggles, train/eval and hooks on the originals. Three runners
+conv, a reentrant checkpoint; forwards that write attributes, buffers, parameters, ``.data``,
+hooks and submodules), 2 to 4 CPU replicas, one bucket or many, a launch strategy and an
+optimizer; then a training loop's operations: steps with ``backward``, ``retain_graph=True`` and
+two backwards, ``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without
+``zero_grad``, ``no_sync()`` micro-steps (one or two forwards before the backward, replicas
+skipping the sparse embedding), ``.data`` edits between them, partial batches, a replica raising,
+two threads calling one wrapper, optimizer steps (SGD, AdamW with weight decay),
+``load_state_dict``, in-place edits, ``requires_grad`` toggles, train/eval and hooks on the
+originals (tensor and post-accumulate). Three runners
 (tests/oracle_runners.py) must agree after every operation: ``FastDataParallel`` with persistent
 replicas, with ``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk``
 chunks. Compared: outputs, the type of any exception, every ``.grad`` (None or not, then values),
@@ -67,6 +69,9 @@ OPERATIONS = (
     "accumulate",
     "partial_batch",
     "zero_grad_pending",
+    "two_forwards",
+    "data_edit",
+    "post_hook",
 )
 LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
 _unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)
@@ -85,6 +90,10 @@ def on(name: str):
 
 def _dense(g):
     return g.to_dense() if g is not None and g.is_sparse else g
+
+
+def _halve_grad(p: torch.Tensor) -> None:
+    p.grad.mul_(0.5)
 
 
 def agree(values: list, what: str, unreached_none: bool = False) -> None:
@@ -119,7 +128,11 @@ class Oracle(RuleBasedStateMachine):
         feats = frozenset(feats) - LEFT_OUT
         if not _buckets.cpu_distinct():  # see the module docstring
             feats -= {"inplace_param"}
-        self.feats, self.n, self.pending = feats, n, False
+        if "checkpoint" in feats:  # DataParallel's replica tensors are not leaves: a hook
+            feats -= {"hooks_in_forward"}  # there gets None from a nested backward
+        self.feats, self.n, self.pending, self.launch = feats, n, False, launch
+        # a post-accumulate hook, with the reentrant checkpoint: see post_hook()
+        self.post_hooked = self.hooked_checkpoint = False
         self.named_only = False  # the last backward named its inputs: see agree()
         model = OracleNet(feats, seed)
         self.runners = [
@@ -185,6 +198,11 @@ class Oracle(RuleBasedStateMachine):
         subset=st.integers(1, 2**12 - 1),
     )
     def train_step(self, b, loss, zero, skip, subset):
+        if "checkpoint" in self.feats and loss in ("autograd_grad", "backward_inputs"):
+            loss = "backward"  # a reentrant checkpoint raises for both, after partial work
+        if self.hooked_checkpoint:  # see post_hook()
+            loss = "backward"
+            zero = "none" if zero == "keep" else zero
         if zero != "keep" or "accumulate" in LEFT_OUT:
             self.each(lambda r: r.zero_grad(zero == "none"))
         x, idx = self.batch(b, None if skip is None else SKIP, skip or 0)
@@ -212,10 +230,10 @@ class Oracle(RuleBasedStateMachine):
         else:
             self.each(lambda r, o: r.backward((o * w).sum()), outs)
 
-    @precondition(lambda self: "no_sync" not in LEFT_OUT)
-    @rule(b=st.integers(1, 12))
-    def no_sync_micro_step(self, b):
-        x, idx = self.batch(b)
+    @precondition(lambda self: "no_sync" not in LEFT_OUT and not self.hooked_checkpoint)
+    @rule(b=st.integers(1, 12), skip=st.none() | st.integers(0, 3))
+    def no_sync_micro_step(self, b, skip):
+        x, idx = self.batch(b, None if skip is None else SKIP, skip or 0)
         w = torch.randn(len(x), D, generator=self.gen, dtype=torch.float64)
 
         def micro(r):
@@ -228,6 +246,48 @@ class Oracle(RuleBasedStateMachine):
         if outs is not None:
             agree(outs, "no_sync output")
         self.pending = True
+
+    @precondition(
+        lambda self: (
+            "no_sync" not in LEFT_OUT and "two_forwards" not in LEFT_OUT and not self.post_hooked
+        )
+    )
+    @rule(b1=st.integers(1, 12), b2=st.integers(1, 12), skip=st.none() | st.integers(0, 3))
+    def no_sync_two_forwards(self, b1, b2, skip):
+        """A micro-step calling the wrapper twice before one backward (a GAN's D(real) +
+        D(fake), a loss over two batches)."""
+        x1, i1 = self.batch(b1, None if skip is None else SKIP, skip or 0)
+        x2, i2 = self.batch(b2)
+        w1 = torch.randn(len(x1), D, generator=self.gen, dtype=torch.float64)
+        w2 = torch.randn(len(x2), D, generator=self.gen, dtype=torch.float64)
+
+        def micro(r):
+            with r.no_sync():
+                a = r.forward(x1, i1)
+                b = r.forward(x2, i2, keep=True)
+                r.backward((a * w1).sum() + (b * w2).sum())
+            return a, b
+
+        outs = self.each(micro)
+        if outs is not None:
+            agree([o[0] for o in outs], "no_sync first output")
+            agree([o[1] for o in outs], "no_sync second output")
+        self.pending = True
+
+    @precondition(lambda self: "data_edit" not in LEFT_OUT)
+    @rule(kind=st.sampled_from(["clamp", "mul"]))
+    def data_edit(self, kind):
+        """Edits through ``.data`` (WGAN's clipping), inside a ``no_sync`` cycle or not: they
+        bump no version counter."""
+
+        def edit(r):
+            for p in r.model.parameters():
+                if kind == "clamp":
+                    p.data.clamp_(-0.3, 0.3)
+                else:
+                    p.data.mul_(0.5)
+
+        self.each(edit)
 
     @on("optimizer")
     @rule()
@@ -258,7 +318,8 @@ class Oracle(RuleBasedStateMachine):
             self.each(lambda r: r.forward(x, idx))
         assert all(isinstance(e, ValueError) for e in self.errors), self.errors
 
-    @on("threads")
+    @precondition(lambda self: "threads" not in LEFT_OUT and not self.post_hooked)
+    @precondition(lambda self: not self.pending)
     @rule(b1=st.integers(1, 12), b2=st.integers(1, 12))
     def two_threads(self, b1, b2):
         """Two threads call one wrapper (eval mode: BatchNorm's running stats would depend on
@@ -321,6 +382,21 @@ class Oracle(RuleBasedStateMachine):
     @rule()
     def hook_on_original(self):
         self.each(lambda r: r.add_hook("lin.bias", _half))
+
+    @precondition(lambda self: "checkpoint" not in self.feats or self.launch == "inline")
+    @on("post_hook")
+    @rule()
+    def post_hook(self):
+        """Per-parameter clipping / optimizer-in-backward: a hook acting on ``.grad`` after each
+        accumulation, on a parameter outside the checkpoint. With a reentrant checkpoint
+        DataParallel accumulates zeros in each nested backward (hooks see them), the chunked
+        module does not: from then on steps start from ``.grad`` None or zeros, one backward
+        each; inline only (on threads, DataParallel's ``Broadcast`` turn depends on the
+        workers' sequence numbers). No two forwards before one backward from then on: each of
+        DataParallel's ``Broadcast`` nodes accumulates, in the order of their sequence numbers."""
+        self.each(lambda r: r.add_post_hook("lin.bias", _halve_grad))
+        self.post_hooked = True
+        self.hooked_checkpoint = "checkpoint" in self.feats
 
     # --------------------------------------------------------------------------- invariant
 
