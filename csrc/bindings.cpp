@@ -144,9 +144,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("leaves"), py::arg("plan"), py::arg("dim"), py::arg("devices"),
       "scatter_chunks with one dim for every leaf.");
-  m.def("own_version_aliases", &fastdp::own_version_aliases, py::arg("tensors"),
-        "Aliases of tensors (same storage and layout, no autograd history), each with a version "
-        "counter of its own: NOTE [ Input chunks written in place ] in fastdp/scatter_gather.py.");
+  m.def("own_version_views", &fastdp::own_version_views, py::arg("chunks"),
+        "Views like chunks, each of a fresh alias of its chunk's base with a version counter of "
+        "its own: NOTE [ Input chunks written in place ] in fastdp/scatter_gather.py.");
   m.def(
       "gather_into",
       [](const std::vector<at::Tensor>& tensors, int64_t dim, at::Device destination) {

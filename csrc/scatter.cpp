@@ -58,12 +58,14 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
 #endif
 }
 
-std::vector<at::Tensor> own_version_aliases(const std::vector<at::Tensor>& tensors) {
+std::vector<at::Tensor> own_version_views(const std::vector<at::Tensor>& chunks) {
   std::vector<at::Tensor> out;
-  out.reserve(tensors.size());
-  for (const auto& t : tensors) {
-    out.emplace_back(t.unsafeGetTensorImpl()->shallow_copy_and_detach(
+  out.reserve(chunks.size());
+  for (const auto& c : chunks) {
+    const at::TensorBase& root = c.is_view() ? c._base() : static_cast<const at::TensorBase&>(c);
+    at::Tensor alias(root.unsafeGetTensorImpl()->shallow_copy_and_detach(
         c10::VariableVersion(/*version=*/0), /*allow_tensor_metadata_change=*/false));
+    out.push_back(alias.as_strided(c.sizes(), c.strides(), c.storage_offset()));
   }
   return out;
 }

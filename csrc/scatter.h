@@ -21,10 +21,11 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
                                                     const std::vector<int64_t>& dims,
                                                     const std::vector<at::Device>& devices);
 
-// Aliases of `tensors`: each shares its tensor's storage, sizes, strides, offset and dtype, but
-// has a version counter of its own (starting at 0), no autograd history and requires_grad false:
-// an in-place write through one bumps no other tensor's version. See NOTE [ Input chunks written
-// in place ] in fastdp/scatter_gather.py.
-std::vector<at::Tensor> own_version_aliases(const std::vector<at::Tensor>& tensors);
+// For each chunk (a tensor, usually a view of a leaf), a view of the same sizes, strides and
+// storage offset whose base is a fresh alias of the chunk's base (the chunk itself if it is no
+// view): same storage, no autograd history, and a version counter of its own shared with no other
+// result, so an in-place write through one bumps no other tensor's version. See NOTE [ Input
+// chunks written in place ] in fastdp/scatter_gather.py.
+std::vector<at::Tensor> own_version_views(const std::vector<at::Tensor>& chunks);
 
 }  // namespace fastdp

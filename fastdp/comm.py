@@ -31,7 +31,7 @@ __all__ = [
     "scatter",
     "gather",
     "scatter_leaves",
-    "own_version_aliases",
+    "own_version_views",
 ]
 
 _DEFAULT_BUFFER = 10485760
@@ -266,14 +266,19 @@ def scatter_leaves(
     return out
 
 
-def own_version_aliases(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Aliases of ``tensors`` (same storage and layout, no autograd history), each with a version
-    counter of its own (NOTE [ Input chunks written in place ] in ``fastdp/scatter_gather.py``):
-    the extension's one call, else ``set_`` per tensor."""
+def own_version_views(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views like ``chunks``, each of a fresh alias of its chunk's base (no autograd history) with
+    a version counter of its own (NOTE [ Input chunks written in place ] in
+    ``fastdp/scatter_gather.py``): the extension's one call, else ``set_`` per chunk."""
     ext = _backend.ext()
     if ext is not None:
-        return ext.own_version_aliases(tensors)
-    return [t.new_empty(0).set_(t) for t in tensors]
+        return ext.own_version_views(chunks)
+    out = []
+    for c in chunks:
+        root = c._base if c._is_view() else c
+        alias = root.new_empty(0).set_(root)
+        out.append(alias.as_strided(c.size(), c.stride(), c.storage_offset()))
+    return out
 
 
 def gather(

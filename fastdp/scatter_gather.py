@@ -173,20 +173,21 @@ def _split_tensors(
 
 
 # NOTE [ Input chunks written in place ]
-# A chunk that stays on its leaf's device is a view of it. Chunk 0 stays a view, as
-# DataParallel's chunk 0 on the input's device is; chunks 1.. become aliases with a version
-# counter of their own, as DataParallel's copies on other GPUs have one: a replica writing into its
-# own chunk (``masked_fill_`` on ids, ``clamp_`` on positions) never invalidates what another
-# replica saved, and no bytes are copied. The write lands in the caller's tensor (DataParallel's
-# copies leave rows 1.. unchanged); a write through chunk 0 bumps the caller's tensor's version
-# as DataParallel's does. Leaves that require grad keep views: autograd refuses in-place writes
-# into ``split``'s outputs, and an alias would cut their history.
+# A chunk that stays on its leaf's device is a view of it. Chunk 0 stays that view, as
+# DataParallel's chunk 0 on the input's device is; chunks 1.. become the same views of aliases of
+# the leaf's base, one alias each with a version counter of its own, as DataParallel's copies on
+# other GPUs have one: a replica writing into its own chunk (``masked_fill_`` on ids, ``clamp_``
+# on positions) never invalidates what another replica saved, and no bytes are copied. Every
+# replica still gets a view of a base of one shape (compiled replicas share one cache entry). The
+# write lands in the caller's tensor (DataParallel's copies leave rows 1.. unchanged); a write
+# through chunk 0 bumps the caller's tensor's version as DataParallel's does. Leaves that require
+# grad keep plain views: autograd refuses in-place writes into ``split``'s outputs.
 def _own_counters(
     leaves: Sequence[torch.Tensor], chunks: Sequence[Sequence[torch.Tensor]]
 ) -> list[Sequence[torch.Tensor]]:
-    """``chunks[i]`` (leaf ``i``'s), with those after the first that are views on the leaf's
-    device made aliases with version counters of their own, in one call for every leaf
-    (NOTE [ Input chunks written in place ])."""
+    """``chunks[i]`` (leaf ``i``'s), those after the first that are views on the leaf's device
+    remade with version counters of their own, in one call for every leaf (NOTE [ Input chunks
+    written in place ])."""
     where, views = [], []
     for i, (leaf, cs) in enumerate(zip(leaves, chunks)):
         if len(cs) < 2 or leaf.requires_grad or type(leaf) is not torch.Tensor:
@@ -201,8 +202,8 @@ def _own_counters(
     if not views:
         return list(chunks)
     out = [list(cs) for cs in chunks]
-    for (i, r), alias in zip(where, comm.own_version_aliases(views)):
-        out[i][r] = alias
+    for (i, r), view in zip(where, comm.own_version_views(views)):
+        out[i][r] = view
     return out
 
 

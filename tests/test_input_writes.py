@@ -133,17 +133,18 @@ def test_leaves_that_require_grad_keep_their_history():
     torch.testing.assert_close(x.grad, ref.grad)
 
 
-def test_own_version_aliases_share_bytes_not_versions(backend):
+def test_own_version_views_share_bytes_not_versions(backend):
     x = torch.arange(12.0).view(4, 3)
     chunk = x[2:]
-    (alias,) = comm.own_version_aliases([chunk])
-    assert not alias._is_view() and not alias.requires_grad
-    assert (alias.data_ptr(), alias.stride(), alias.shape) == (
+    (view,) = comm.own_version_views([chunk])
+    assert view._is_view() and view._base is not x and not view.requires_grad
+    assert view._base.shape == chunk._base.shape  # a base like every other replica's
+    assert (view.data_ptr(), view.stride(), view.shape) == (
         chunk.data_ptr(),
         chunk.stride(),
         chunk.shape,
     )
-    before = (x._version, alias._version)
-    alias.mul_(2)
-    assert x._version == before[0] and alias._version == before[1] + 1
+    before = (x._version, view._version)
+    view.mul_(2)
+    assert x._version == before[0] and view._version == before[1] + 1
     torch.testing.assert_close(x[2:], torch.arange(6.0, 12.0).view(2, 3) * 2)
