@@ -147,6 +147,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("own_version_views", &fastdp::own_version_views, py::arg("chunks"),
         "Views like chunks, each of a fresh alias of its chunk's base with a version counter of "
         "its own: NOTE [ Input chunks written in place ] in fastdp/scatter_gather.py.");
+  m.def("split_own_versions", &fastdp::split_own_versions, py::arg("leaves"), py::arg("plan"),
+        py::arg("dims"),
+        "The one-device scatter, replica-major: chunk 0 a view of each leaf, chunks 1.. "
+        "own_version_views (leaves that do not require grad), else split's chunks.");
   m.def(
       "gather_into",
       [](const std::vector<at::Tensor>& tensors, int64_t dim, at::Device destination) {

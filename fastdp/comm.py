@@ -32,6 +32,7 @@ __all__ = [
     "gather",
     "scatter_leaves",
     "own_version_views",
+    "split_own_versions",
 ]
 
 _DEFAULT_BUFFER = 10485760
@@ -279,6 +280,29 @@ def own_version_views(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         alias = root.new_empty(0).set_(root)
         out.append(alias.as_strided(c.size(), c.stride(), c.storage_offset()))
     return out
+
+
+def split_own_versions(
+    leaves: Sequence[torch.Tensor], plan: Sequence[Sequence[int]], dims: Sequence[int]
+) -> list[torch.Tensor]:
+    """The scatter of plain strided tensors that all stay on their device, replica-major:
+    ``out[r * len(leaves) + i]`` is chunk ``r`` of ``leaves[i]``, a view; chunks 1.. of a leaf
+    that does not require grad (and is neither conj nor neg) are ``own_version_views``. The
+    extension's one call, else ``split`` per leaf."""
+    ext = _backend.ext()
+    if ext is not None:
+        return ext.split_own_versions(leaves, plan, dims)
+    n, chunks = len(leaves), list(map(torch.Tensor.split_with_sizes, leaves, plan, dims))
+    where = [
+        i
+        for i, t in enumerate(leaves)
+        if not (t.requires_grad or t.is_conj() or t.is_neg()) and len(chunks[i]) > 1
+    ]
+    if where:
+        own = iter(own_version_views([c for i in where for c in chunks[i][1:]]))
+        for i in where:
+            chunks[i] = (chunks[i][0], *(next(own) for _ in chunks[i][1:]))
+    return [c[r] for r in range(len(plan[0]) if n else 0) for c in chunks]
 
 
 def gather(

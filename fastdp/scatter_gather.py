@@ -168,8 +168,9 @@ def _split_tensors(
     else:
         inputs = list(inputs)
         plan = _plan_rows(inputs, dims, len(devices), chunk_sizes, on_drop)
-    chunks = _own_counters(inputs, list(map(torch.Tensor.split_with_sizes, inputs, plan, dims)))
-    return tuple(zip(*chunks)), ({},) * len(plan[0])  # per replica, a tuple of its chunks
+    flat, n = comm.split_own_versions(inputs, plan, dims), len(inputs)
+    per_replica = tuple(tuple(flat[r * n : (r + 1) * n]) for r in range(len(plan[0])))
+    return per_replica, ({},) * len(plan[0])
 
 
 # NOTE [ Input chunks written in place ]
@@ -221,10 +222,8 @@ def _scatter_flat(
         flat = Scatter.apply(devices, plan, dims, *leaves)
         n = len(leaves)
         chunks = _own_counters(leaves, [flat[i::n] for i in range(n)])
-    else:
-        split = map(torch.Tensor.split_with_sizes, leaves, plan, dims)
-        chunks = _own_counters(leaves, list(split))
-    return [c[r] for r in range(len(devices)) for c in chunks]
+        return [c[r] for r in range(len(devices)) for c in chunks]
+    return comm.split_own_versions(leaves, plan, dims)
 
 
 def scatter_kwargs(

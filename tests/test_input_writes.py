@@ -148,3 +148,39 @@ def test_own_version_views_share_bytes_not_versions(backend):
     view.mul_(2)
     assert x._version == before[0] and view._version == before[1] + 1
     torch.testing.assert_close(x[2:], torch.arange(6.0, 12.0).view(2, 3) * 2)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_split_own_versions_is_split_with_own_counters(backend, replicas):
+    """The one-device scatter: values and geometry of ``split``'s chunks, replica-major; chunk 0
+    shares the leaf's version counter, chunks 1.. have their own over a base of the leaf's base's
+    shape; a leaf that requires grad keeps ``split``'s chunks and their history."""
+    base = torch.arange(60.0).view(6, 10)
+    leaves = [base.t()[2:9], torch.arange(7), torch.randn(4, 7, requires_grad=True)]
+    plan = [[3, 3, 1][:replicas], [5, 1, 1][:replicas], [4, 2, 1][:replicas]]
+    plan = [p[:-1] + [n - sum(p[:-1])] for p, n in zip(plan, (6, 7, 7))]
+    dims = [1, 0, 1]
+    flat = comm.split_own_versions(leaves, plan, dims)
+    n = len(leaves)
+    assert len(flat) == replicas * n
+    for i, (leaf, rows, d) in enumerate(zip(leaves, plan, dims)):
+        ref = leaf.split_with_sizes(rows, d)
+        for r in range(replicas):
+            got = flat[r * n + i]
+            assert (got.shape, got.stride(), got.data_ptr()) == (
+                ref[r].shape,
+                ref[r].stride(),
+                ref[r].data_ptr(),
+            )
+            torch.testing.assert_close(got, ref[r])
+            assert got._is_view()
+            if leaf.requires_grad:
+                assert got.grad_fn is not None
+            elif r > 0:
+                assert got._base.shape == (leaf._base if leaf._is_view() else leaf).shape
+                before = (leaf._version, got._version)
+                got.add_(0)
+                assert leaf._version == before[0] and got._version == before[1] + 1
+    before = leaves[1]._version
+    flat[1].add_(0)  # chunk 0 of leaf 1
+    assert leaves[1]._version == before + 1
