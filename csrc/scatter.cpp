@@ -70,19 +70,6 @@ std::vector<at::Tensor> own_version_views(const std::vector<at::Tensor>& chunks)
   return out;
 }
 
-namespace {
-
-// A view of `root`'s storage with the given geometry whose base is a fresh alias of `root` with a
-// version counter of its own (own_version_views for one chunk).
-at::Tensor own_version_view(const at::TensorBase& root, at::IntArrayRef sizes, at::IntArrayRef strides,
-                            int64_t offset) {
-  at::Tensor alias(root.unsafeGetTensorImpl()->shallow_copy_and_detach(
-      c10::VariableVersion(/*version=*/0), /*allow_tensor_metadata_change=*/false));
-  return alias.as_strided(sizes, strides, offset);
-}
-
-}  // namespace
-
 std::vector<at::Tensor> split_own_versions(const std::vector<at::Tensor>& leaves,
                                            const std::vector<std::vector<int64_t>>& plan,
                                            const std::vector<int64_t>& dims) {
@@ -97,30 +84,14 @@ std::vector<at::Tensor> split_own_versions(const std::vector<at::Tensor>& leaves
     TORCH_CHECK(plan[i].size() == replicas, op, ": expected ", replicas, " chunk sizes for leaf ",
                 i, ", got ", plan[i].size());
     const int64_t d = at::maybe_wrap_dim(dims[dims.size() == 1 ? 0 : i], leaf.dim());
-    const bool own = replicas > 1 && leaf.layout() == at::kStrided && !leaf.requires_grad() &&
-                     !leaf.is_conj() && !leaf.is_neg();
-    if (!own) {
-      auto chunks = leaf.split_with_sizes(plan[i], d);
-      for (size_t r = 0; r < replicas; ++r) out[r * n + i] = std::move(chunks[r]);
-      continue;
-    }
-    int64_t total = 0;
-    for (int64_t rows : plan[i]) {
-      TORCH_CHECK(rows >= 0, op, ": chunk sizes must be non-negative, got ", rows);
-      total += rows;
-    }
-    TORCH_CHECK(total == leaf.size(d), op, ": chunk sizes of leaf ", i, " sum to ", total,
-                " but its size along dim ", d, " is ", leaf.size(d));
-    out[i] = leaf.narrow(d, 0, plan[i][0]);
-    const at::TensorBase& root =
-        leaf.is_view() ? leaf._base() : static_cast<const at::TensorBase&>(leaf);
-    std::vector<int64_t> sizes = leaf.sizes().vec();
-    const int64_t step = leaf.stride(d);
-    int64_t offset = leaf.storage_offset() + plan[i][0] * step;
-    for (size_t r = 1; r < replicas; ++r) {
-      sizes[d] = plan[i][r];
-      out[r * n + i] = own_version_view(root, sizes, leaf.strides(), offset);
-      offset += plan[i][r] * step;
+    const bool own = !leaf.requires_grad() && !leaf.is_inference() && !leaf.is_conj() &&
+                     !leaf.is_neg();
+    auto chunks = leaf.split_with_sizes(plan[i], d);
+    for (size_t r = 0; r < replicas; ++r) {
+      if (own && r > 0) {
+        chunks[r].unsafeGetTensorImpl()->set_version_counter(c10::VariableVersion(0));
+      }
+      out[r * n + i] = std::move(chunks[r]);
     }
   }
   return out;

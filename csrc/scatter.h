@@ -29,10 +29,11 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
 std::vector<at::Tensor> own_version_views(const std::vector<at::Tensor>& chunks);
 
 // The scatter of leaves that all stay on their device, replica-major: result[r * n + i] is chunk r
-// of leaves[i] (n leaves; plan[i][r] rows along dims[i], negative dims wrapped), a view of it.
-// Chunk 0 is leaves[i].split_with_sizes(plan[i], dims[i])[0]; when the leaf does not require grad
-// and is neither conj nor neg, chunks 1.. are own_version_views of its split's chunks (made
-// directly, no split), else split's own chunks (autograd records them as it does from Python).
+// of leaves[i] (n leaves; plan[i][r] rows along dims[i], negative dims wrapped), the view
+// leaves[i].split_with_sizes(plan[i], dims[i])[r]. Chunks 1.. of a leaf that neither requires grad
+// nor is an inference, conj or neg tensor get a version counter of their own (shared with no
+// other tensor), so a write through one bumps no other tensor's version; chunk 0 keeps the
+// leaf's. See NOTE [ Input chunks written in place ] in fastdp/scatter_gather.py.
 std::vector<at::Tensor> split_own_versions(const std::vector<at::Tensor>& leaves,
                                            const std::vector<std::vector<int64_t>>& plan,
                                            const std::vector<int64_t>& dims);

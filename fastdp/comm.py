@@ -286,9 +286,11 @@ def split_own_versions(
     leaves: Sequence[torch.Tensor], plan: Sequence[Sequence[int]], dims: Sequence[int]
 ) -> list[torch.Tensor]:
     """The scatter of plain strided tensors that all stay on their device, replica-major:
-    ``out[r * len(leaves) + i]`` is chunk ``r`` of ``leaves[i]``, a view; chunks 1.. of a leaf
-    that does not require grad (and is neither conj nor neg) are ``own_version_views``. The
-    extension's one call, else ``split`` per leaf."""
+    ``out[r * len(leaves) + i]`` is chunk ``r`` of ``leaves[i]``, a view of its bytes. Chunks 1..
+    of a leaf that neither requires grad nor is an inference, conj or neg tensor have version
+    counters of their own (NOTE [ Input chunks written in place ] in ``fastdp/scatter_gather.py``):
+    the extension gives ``split``'s own views a fresh counter each, in one call; without it they
+    are ``own_version_views`` of ``split``'s."""
     ext = _backend.ext()
     if ext is not None:
         return ext.split_own_versions(leaves, plan, dims)
@@ -296,7 +298,8 @@ def split_own_versions(
     where = [
         i
         for i, t in enumerate(leaves)
-        if not (t.requires_grad or t.is_conj() or t.is_neg()) and len(chunks[i]) > 1
+        if not (t.requires_grad or t.is_inference() or t.is_conj() or t.is_neg())
+        and len(chunks[i]) > 1
     ]
     if where:
         own = iter(own_version_views([c for i in where for c in chunks[i][1:]]))

@@ -174,15 +174,15 @@ def _split_tensors(
 
 
 # NOTE [ Input chunks written in place ]
-# A chunk that stays on its leaf's device is a view of it. Chunk 0 stays that view, as
-# DataParallel's chunk 0 on the input's device is; chunks 1.. become the same views of aliases of
-# the leaf's base, one alias each with a version counter of its own, as DataParallel's copies on
-# other GPUs have one: a replica writing into its own chunk (``masked_fill_`` on ids, ``clamp_``
-# on positions) never invalidates what another replica saved, and no bytes are copied. Every
-# replica still gets a view of a base of one shape (compiled replicas share one cache entry). The
-# write lands in the caller's tensor (DataParallel's copies leave rows 1.. unchanged); a write
-# through chunk 0 bumps the caller's tensor's version as DataParallel's does. Leaves that require
-# grad keep plain views: autograd refuses in-place writes into ``split``'s outputs.
+# A chunk that stays on its leaf's device is a view of it. Chunk 0 shares the leaf's version
+# counter, as DataParallel's chunk 0 on the input's device does; chunks 1.. get one of their own
+# each, as DataParallel's copies on other GPUs have: a replica writing into its own chunk
+# (``masked_fill_`` on ids, ``clamp_`` on positions) never invalidates what another replica saved,
+# and no bytes are copied. The extension sets a fresh counter on ``split``'s views; torch alone
+# makes the same views of aliases of the leaf's base (every replica's base has one shape, so
+# compiled replicas share one cache entry). The write lands in the caller's tensor, where
+# DataParallel's copies leave rows 1.. unchanged. Leaves that require grad keep plain views:
+# autograd refuses in-place writes into ``split``'s outputs.
 def _own_counters(
     leaves: Sequence[torch.Tensor], chunks: Sequence[Sequence[torch.Tensor]]
 ) -> list[Sequence[torch.Tensor]]:
