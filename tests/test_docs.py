@@ -137,6 +137,8 @@ def test_every_results_and_experiments_folder_is_indexed_in_bench_readme():
         folders = [d for d in os.listdir(top) if os.path.isdir(os.path.join(top, d))]
         missing = [d for d in folders if f"`{d}/`" not in index]
         assert folders and not missing, (kind, missing)
+        unexplained = [d for d in folders if not os.path.exists(os.path.join(top, d, "README.md"))]
+        assert not unexplained, (kind, unexplained)
 
 
 def test_no_script_lives_in_a_results_folder():
