@@ -78,9 +78,8 @@ def add_ratios(records: list[dict]) -> None:
             r["ratios"] = {k: v for k, v in rat.items() if v is not None}
 
 
-def headline(records: list[dict]) -> dict:
-    """The figures a reader looks for first, each copied from a record of this run."""
-    out: dict = {}
+def _replicate_rows(records: list[dict]) -> list[dict]:
+    """Per depth: fastdp's steady-state ``replicate()`` against DataParallel's algorithm."""
     rep = {
         (r["layers"], r["mode"]): r
         for r in records
@@ -99,49 +98,41 @@ def headline(records: list[dict]) -> dict:
                     "ratio": med(f) / med(d),
                 }
             )
-    if rows:
-        out["replicate_cpu"] = rows
-    ov = [
-        {
-            "workload": r["workload"],
-            "mode": r["mode"],
-            "params": r.get("params"),
-            "overhead_ms": r.get("overhead_ms"),
-            "wrapper_calls_per_step": r.get("wrapper_calls_per_step"),
-            "step_ms": med(r),
-        }
-        for r in records
-        if r.get("suite", "").startswith("overhead")
-        and r.get("mode") != "model_chunks"
-        and med(r) is not None
+    return rows
+
+
+# The fields each headline row copies from its record (then ``step_ms``, the median)
+OVERHEAD_FIELDS = ("workload", "mode", "params", "overhead_ms", "wrapper_calls_per_step")
+STEP_FIELDS = ("suite", "workload", "input", "replicas", "mode")
+
+
+def headline(records: list[dict]) -> dict:
+    """The figures a reader looks for first, each copied from a record of this run."""
+    timed = [r for r in records if med(r) is not None]
+    overhead = [
+        r
+        for r in timed
+        if r.get("suite", "").startswith("overhead") and r.get("mode") != "model_chunks"
     ]
-    if ov:
-        out["overhead"] = ov
-    steps = [
-        {
-            "suite": r["suite"],
-            "workload": r["workload"],
-            "input": r["input"],
-            "replicas": r["replicas"],
-            "mode": r["mode"],
-            "step_ms": med(r),
-            **r.get("ratios", {}),
-        }
-        for r in records
-        if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp" and med(r) is not None
-    ]
-    if steps:
-        out["steps_fastdp"] = steps
-    launch = launch_rows(records)
-    if launch:
-        out["launch"] = launch
-    bad = [
+    steps = [r for r in timed if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp"]
+    out = {
+        "replicate_cpu": _replicate_rows(records),
+        "overhead": [
+            {**{k: r.get(k) for k in OVERHEAD_FIELDS}, "step_ms": med(r)} for r in overhead
+        ],
+        "steps_fastdp": [
+            {**{k: r.get(k) for k in STEP_FIELDS}, "step_ms": med(r), **r.get("ratios", {})}
+            for r in steps
+        ],
+        "launch": launch_rows(records),
+    }
+    out = {k: v for k, v in out.items() if v}
+    out["not_ok"] = [
         f"{r.get('suite')}/{r.get('workload', r.get('op'))}/{r.get('mode')}"
         f"/{r.get('replicas')}: {r.get('status')}"
         for r in records
         if r.get("status") not in ("ok", "unsupported")
     ]
-    out["not_ok"] = bad
     return out
 
 
