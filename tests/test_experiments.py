@@ -65,6 +65,31 @@ def test_experiment_shell_script_parses_and_names_existing_files(path):
             assert os.path.exists(os.path.join(os.path.dirname(path), rel)), rel
 
 
+# The measuring scripts that reach fastdp only through its public API and the bench's own modules,
+# each run at a tiny size in a fresh process (they switch the extension off process-wide). The
+# others patch private internals of the commit they measured: import-checked only.
+RUNS = [
+    ("noext-anchor/cpu_ratio.py", ("mlp10", "smoke")),
+    ("noext-cost/steps.py", ("mlp10", "2")),
+    ("instructions/instructions.py", ("noext", "1")),
+    ("noext-checks/ratio.py", ("mlp10",)),
+    ("noext-in-process/in_process.py", ("mlp10",)),
+]
+
+
+@pytest.mark.parametrize("script, args", RUNS, ids=[r[0] for r in RUNS])
+def test_experiment_runs_at_a_tiny_size(script, args):
+    # this checkout's fastdp, whichever one the interpreter has installed
+    subprocess.run(
+        [sys.executable, os.path.join(EXPERIMENTS, script), *args],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
+    )
+
+
 def _printed(main, folder: str, *args: str) -> str:  # noqa: ANN001
     out, cwd = io.StringIO(), os.getcwd()
     argv = sys.argv
