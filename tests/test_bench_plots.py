@@ -21,9 +21,9 @@ RESULTS = os.path.join(
 )
 RUNS = (
     "cpu-2core-2026-11-24-snapshots",
-    "cpu-xeon-2core-2026-11-22",
-    "gpu-h100-2026-11-24/gpu-comm",
-    "gpu-h100-2026-11-24/gpu-steps",
+    "cpu-xeon-2core-2026-11-22-cpu-suites",
+    "gpu-h100-2026-11-24-shared-gpu/gpu-comm",
+    "gpu-h100-2026-11-24-shared-gpu/gpu-steps",
 )
 PALETTE = {c.lower() for c in plots.OKABE_ITO.values()}
 

@@ -127,3 +127,22 @@ def test_relative_links_in_the_docs_point_at_files():
                 ):
                     broken.append(f"{doc}: {target}")
     assert not broken
+
+
+def test_every_results_and_experiments_folder_is_indexed_in_bench_readme():
+    with open(os.path.join(ROOT, "bench", "README.md")) as f:
+        index = f.read()
+    for kind in ("results", "experiments"):
+        top = os.path.join(ROOT, "bench", kind)
+        folders = [d for d in os.listdir(top) if os.path.isdir(os.path.join(top, d))]
+        missing = [d for d in folders if f"`{d}/`" not in index]
+        assert folders and not missing, (kind, missing)
+        unexplained = [d for d in folders if not os.path.exists(os.path.join(top, d, "README.md"))]
+        assert not unexplained, (kind, unexplained)
+
+
+def test_no_script_lives_in_a_results_folder():
+    """A results folder holds data and its README; scripts live in bench/experiments/<topic>/."""
+    found = glob.glob("bench/results/**/*.py", root_dir=ROOT, recursive=True)
+    found += glob.glob("bench/results/**/*.sh", root_dir=ROOT, recursive=True)
+    assert not found

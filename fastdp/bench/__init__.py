@@ -4,6 +4,5 @@ Files: ``workloads`` (torch.nn models and inputs), ``modes`` (bare / nn.DataPara
 fastdp without extension / DataParallel's algorithm, the step and the correctness check),
 ``timing`` (repeats, call counting), ``runner`` (tasks, error and OOM capture), ``suites_cpu``,
 ``suites_gpu``, ``report`` (ratios, table, JSON), ``headline`` (the README's tables), ``machine``
-(environment), ``plots`` (PNGs; the figures in ``plots_bars`` and ``plots_lines``), ``cli`` (the
-command line).
+(environment), ``plots`` (the PNGs: style and every figure), ``cli`` (the command line).
 """

@@ -1,22 +1,6 @@
-"""The modes compared side by side, the training step they run, and the correctness check.
-
-Modes (``MODES``):
-  ``bare``          the module itself on the whole batch.
-  ``floor``         the chunked floor, the yardstick of every step table (``x floor``): the bare
-                    module on the same chunks as the replicas get, in turn, one concatenation (no
-                    wrapper; the same loss and backward). Replicas do the same work on those chunks.
-  ``torch_dp``      ``torch.nn.DataParallel`` (where it can run; without CUDA it is a pass-through).
-  ``fastdp``        ``fastdp.FastDataParallel`` with ``launch="auto"`` (the default), timed once
-                    its trial steps are over (steady state); its pick is in the record
-                    (``launch_pick``, from ``launch_report()``).
-  ``fastdp_threads``, ``fastdp_inline``  the same with the strategy forced.
-  ``fastdp_noext``  the same with the C++ extension disabled (``fastdp._backend.use_extension``).
-  ``dp_algo``       DataParallel's algorithm in fastdp's pipeline: a ``FastDataParallel`` whose
-                    ``replicate`` seam builds fresh replicas every step with
-                    ``fastdp.replicate.replicate`` (torch's replicate ported to every device type),
-                    its replicas on threads as DataParallel's.
-A step is forward, loss (mean of squares of every output) and backward; gradients accumulate (no
-``zero_grad``, no optimizer step), so a step times the wrapper plus the model and nothing else.
+"""The modes compared side by side (``MODES``; each is described in bench/README.md, *Modes*),
+the training step they run and the correctness check. A step is forward, loss (mean of squares of
+every output) and backward; gradients accumulate (no ``zero_grad``, no optimizer step).
 """
 
 from __future__ import annotations
@@ -30,17 +14,8 @@ from torch import nn
 
 from fastdp.bench.workloads import loss_of, map_tensors, tensors_of
 
-MODES = (
-    "bare",
-    "floor",
-    "torch_dp",
-    "fastdp",
-    "fastdp_threads",
-    "fastdp_inline",
-    "fastdp_noext",
-    "dp_algo",
-)
 WRAPPERS = ("torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext", "dp_algo")
+MODES = ("bare", "floor", *WRAPPERS)
 LAUNCH_MODES = {
     "fastdp": "auto",
     "fastdp_threads": "threads",

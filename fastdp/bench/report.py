@@ -26,65 +26,60 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+# ratio -> (its reference modes, the first found; the modes that get no such ratio)
+RATIOS = {
+    "vs_floor": (("floor", "model_chunks"), ("floor", "model_chunks")),
+    "vs_bare": (("bare",), ("bare",)),
+    "vs_dp_algo": (("dp_algo",), ("dp_algo", "bare")),
+    "vs_torch_dp": (("torch_dp",), ("torch_dp",)),
+    "vs_torch": (("torch",), ("torch",)),
+    "vs_without": (("without",), ("without",)),
+}
+# ratio -> the record field compared with DataParallel's algorithm's in the same configuration
+FIELD_RATIOS = {
+    "overhead_vs_dp_algo": "overhead_ms",
+    "wrapper_calls_vs_dp_algo": "wrapper_calls_per_step",
+}
+
+
+def _config(r: dict) -> tuple | None:
+    """The configuration within which a record's ratios are taken (None: no ratios)."""
+    suite = r.get("suite", "")
+    if suite in STEP_SUITES:  # one task: one workload, input, step and replica count
+        return (suite, r.get("workload"), r.get("input"), r.get("step"), r.get("replicas"))
+    if "replicate" in suite or suite.startswith("overhead"):
+        return (suite, r.get("workload"), r.get("replicas"))
+    if suite == "module-build":
+        return (suite, r.get("workload"))
+    if r.get("kind") in ("scatter", "gather", "broadcast", "view"):
+        return (suite, r["op"], r["bytes"], r.get("threads"))
+    return None
+
+
 def add_ratios(records: list[dict]) -> None:
-    """Adds ``ratios`` to every timed record (in place)."""
+    """Adds ``ratios`` (those of ``RATIOS`` and ``FIELD_RATIOS``) to every timed record."""
     by_cfg: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in records:
-        suite = r.get("suite", "")
-        if suite in STEP_SUITES:  # one task: one workload, input, step and replica count
-            key = (suite, r.get("workload"), r.get("input"), r.get("step"), r.get("replicas"))
-        elif "replicate" in suite or suite.startswith("overhead"):
-            key = (suite, r.get("workload"), r.get("replicas"))
-        elif suite == "module-build":
-            key = (suite, r.get("workload"))
-        elif r.get("kind") in ("scatter", "gather", "broadcast", "view"):
-            key = (suite, r["op"], r["bytes"], r.get("threads"))
-        else:
-            continue
-        by_cfg[key][r.get("mode")] = r
+        if (key := _config(r)) is not None:
+            by_cfg[key][r.get("mode")] = r
     for group in by_cfg.values():
-        b = group.get("bare")
-        floor = group.get("floor") or group.get("model_chunks")
+        dp = group.get("dp_algo", {})
         for mode, r in group.items():
             if med(r) is None:
                 continue
-            rat = {
-                "vs_floor": _ratio(med(r), med(floor))
-                if floor and mode not in ("floor", "model_chunks")
-                else None,
-                "vs_bare": _ratio(med(r), med(b)) if b and mode != "bare" else None,
-                "vs_dp_algo": _ratio(med(r), med(group.get("dp_algo", {})))
-                if mode not in ("dp_algo", "bare")
-                else None,
-                "vs_torch_dp": _ratio(med(r), med(group.get("torch_dp", {})))
-                if mode != "torch_dp"
-                else None,
-                "vs_torch": _ratio(med(r), med(group.get("torch", {})))
-                if mode != "torch"
-                else None,
-                "vs_without": _ratio(med(r), med(group.get("without", {})))
-                if mode != "without"
-                else None,
-            }
-            if (
-                "overhead_ms" in r
-                and "overhead_ms" in group.get("dp_algo", {})
-                and mode != "dp_algo"
-            ):
-                rat["overhead_vs_dp_algo"] = _ratio(
-                    r["overhead_ms"], group["dp_algo"]["overhead_ms"]
-                )
-            if "wrapper_calls_per_step" in r and mode != "dp_algo":
-                rat["wrapper_calls_vs_dp_algo"] = _ratio(
-                    r["wrapper_calls_per_step"],
-                    group.get("dp_algo", {}).get("wrapper_calls_per_step"),
-                )
+            rat = {}
+            for name, (refs, excluded) in RATIOS.items():
+                ref = next((group[m] for m in refs if m in group), None)
+                if ref is not None and mode not in excluded:
+                    rat[name] = _ratio(med(r), med(ref))
+            if mode != "dp_algo":
+                for name, key in FIELD_RATIOS.items():
+                    rat[name] = _ratio(r.get(key), dp.get(key))
             r["ratios"] = {k: v for k, v in rat.items() if v is not None}
 
 
-def headline(records: list[dict]) -> dict:
-    """The figures a reader looks for first, each copied from a record of this run."""
-    out: dict = {}
+def _replicate_rows(records: list[dict]) -> list[dict]:
+    """Per depth: fastdp's steady-state ``replicate()`` against DataParallel's algorithm."""
     rep = {
         (r["layers"], r["mode"]): r
         for r in records
@@ -103,49 +98,41 @@ def headline(records: list[dict]) -> dict:
                     "ratio": med(f) / med(d),
                 }
             )
-    if rows:
-        out["replicate_cpu"] = rows
-    ov = [
-        {
-            "workload": r["workload"],
-            "mode": r["mode"],
-            "params": r.get("params"),
-            "overhead_ms": r.get("overhead_ms"),
-            "wrapper_calls_per_step": r.get("wrapper_calls_per_step"),
-            "step_ms": med(r),
-        }
-        for r in records
-        if r.get("suite", "").startswith("overhead")
-        and r.get("mode") != "model_chunks"
-        and med(r) is not None
+    return rows
+
+
+# The fields each headline row copies from its record (then ``step_ms``, the median)
+OVERHEAD_FIELDS = ("workload", "mode", "params", "overhead_ms", "wrapper_calls_per_step")
+STEP_FIELDS = ("suite", "workload", "input", "replicas", "mode")
+
+
+def headline(records: list[dict]) -> dict:
+    """The figures a reader looks for first, each copied from a record of this run."""
+    timed = [r for r in records if med(r) is not None]
+    overhead = [
+        r
+        for r in timed
+        if r.get("suite", "").startswith("overhead") and r.get("mode") != "model_chunks"
     ]
-    if ov:
-        out["overhead"] = ov
-    steps = [
-        {
-            "suite": r["suite"],
-            "workload": r["workload"],
-            "input": r["input"],
-            "replicas": r["replicas"],
-            "mode": r["mode"],
-            "step_ms": med(r),
-            **r.get("ratios", {}),
-        }
-        for r in records
-        if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp" and med(r) is not None
-    ]
-    if steps:
-        out["steps_fastdp"] = steps
-    launch = launch_rows(records)
-    if launch:
-        out["launch"] = launch
-    bad = [
+    steps = [r for r in timed if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp"]
+    out = {
+        "replicate_cpu": _replicate_rows(records),
+        "overhead": [
+            {**{k: r.get(k) for k in OVERHEAD_FIELDS}, "step_ms": med(r)} for r in overhead
+        ],
+        "steps_fastdp": [
+            {**{k: r.get(k) for k in STEP_FIELDS}, "step_ms": med(r), **r.get("ratios", {})}
+            for r in steps
+        ],
+        "launch": launch_rows(records),
+    }
+    out = {k: v for k, v in out.items() if v}
+    out["not_ok"] = [
         f"{r.get('suite')}/{r.get('workload', r.get('op'))}/{r.get('mode')}"
         f"/{r.get('replicas')}: {r.get('status')}"
         for r in records
         if r.get("status") not in ("ok", "unsupported")
     ]
-    out["not_ok"] = bad
     return out
 
 
@@ -223,217 +210,6 @@ def _status(r: dict) -> str:
     return {"check_failed": "CHECK FAILED", "ok": "ok"}.get(s, s)
 
 
-def _t(r: dict, k: str) -> float | None:
-    return (r.get("time_ms") or {}).get(k)
-
-
-def _rat(r: dict, k: str) -> float | None:
-    return (r.get("ratios") or {}).get(k)
-
-
-_SECTIONS = {
-    "passthrough": (
-        "Pass-through (no GPU: FastDataParallel(m) calls the module), ms per call",
-        ["workload", "step", "mode", "status", "median", "min", "max", "+us", "x bare"],
-        lambda r: [
-            r.get("workload"),
-            r.get("step"),
-            _mode(r),
-            _status(r),
-            _t(r, "median_ms"),
-            _t(r, "min_ms"),
-            _t(r, "max_ms"),
-            r.get("overhead_us"),
-            _rat(r, "vs_bare"),
-        ],
-    ),
-    "steps": (
-        "Training step (forward + backward), ms",
-        [
-            "workload",
-            "input",
-            "devices",
-            "mode",
-            "launch",
-            "status",
-            "median",
-            "min",
-            "max",
-            "x floor",
-            "x bare",
-            "x dp_algo",
-            "x torch_dp",
-        ],
-        lambda r: [
-            r.get("workload"),
-            r.get("input"),
-            _devs(r),
-            _mode(r),
-            _launch(r),
-            _status(r),
-            _t(r, "median_ms"),
-            _t(r, "min_ms"),
-            _t(r, "max_ms"),
-            _rat(r, "vs_floor"),
-            _rat(r, "vs_bare"),
-            _rat(r, "vs_dp_algo"),
-            _rat(r, "vs_torch_dp"),
-        ],
-    ),
-    "overhead": (
-        "Host overhead and Python calls per step (4 replicas, 2 samples each); "
-        "overhead = step - model_chunks",
-        [
-            "workload",
-            "params",
-            "mode",
-            "launch",
-            "status",
-            "step ms",
-            "x floor",
-            "overhead ms",
-            "calls/step",
-            "in model",
-            "wrapper calls",
-            "in fastdp",
-            "x dp_algo (ovh)",
-        ],
-        lambda r: [
-            r.get("workload"),
-            r.get("params"),
-            _mode(r),
-            _launch(r),
-            _status(r),
-            _t(r, "median_ms"),
-            _rat(r, "vs_floor"),
-            r.get("overhead_ms"),
-            r.get("calls_per_step"),
-            (r.get("calls") or {}).get("model"),
-            r.get("wrapper_calls_per_step"),
-            (r.get("calls_in") or {}).get("fastdp"),
-            _rat(r, "overhead_vs_dp_algo"),
-        ],
-    ),
-    "replicate": (
-        "Steady-state replicate() of Linear(32,32) x layers, ms per call",
-        ["layers", "replicas", "mode", "status", "median", "min", "max", "x dp_algo", "x torch"],
-        lambda r: [
-            r.get("layers") if "mlp" in r.get("workload", "") else r.get("workload"),
-            r.get("replicas"),
-            r["mode"],
-            _status(r),
-            _t(r, "median_ms"),
-            _t(r, "min_ms"),
-            _t(r, "max_ms"),
-            _rat(r, "vs_dp_algo"),
-            _rat(r, "vs_torch"),
-        ],
-    ),
-    "replicate_gpu": (
-        "replicate() and the parameter broadcast alone, ms per call",
-        [
-            "workload",
-            "params",
-            "MiB",
-            "devices",
-            "mode",
-            "status",
-            "median",
-            "min",
-            "max",
-            "x dp_algo",
-            "x torch",
-        ],
-        lambda r: [
-            r.get("workload"),
-            r.get("params"),
-            (r.get("param_bytes") or 0) / 2**20,
-            _devs(r),
-            r["mode"],
-            _status(r),
-            _t(r, "median_ms"),
-            _t(r, "min_ms"),
-            _t(r, "max_ms"),
-            _rat(r, "vs_dp_algo"),
-            _rat(r, "vs_torch"),
-        ],
-    ),
-    "compile": (
-        "torch.compile on persistent replicas: training step ms; x floor = vs the same "
-        "kind of floor (module on the chunks in turn), x eager = vs eager fastdp",
-        [
-            "workload",
-            "devices",
-            "mode",
-            "status",
-            "median",
-            "min",
-            "x floor",
-            "x eager",
-            "first step s",
-            "frames",
-            "recompiles/20",
-        ],
-        lambda r: [
-            r.get("workload"),
-            _devs(r),
-            r["mode"],
-            _status(r),
-            _t(r, "median_ms"),
-            _t(r, "min_ms"),
-            _rat(r, "vs_floor"),
-            _rat(r, "vs_fastdp_eager"),
-            r.get("first_step_s"),
-            r.get("frames_first_step"),
-            r.get("recompiles_20_steps"),
-        ],
-    ),
-    "module-build": (
-        "Building nn.Sequential(Linear(32, 32) x layers) while a persistent wrapper "
-        "is alive vs with none, ms (NOTE [ Replica invalidation ])",
-        ["workload", "mode", "status", "median", "min", "max", "x without", "nn.Module untouched"],
-        lambda r: [
-            r.get("workload"),
-            r["mode"],
-            _status(r),
-            _t(r, "median_ms"),
-            _t(r, "min_ms"),
-            _t(r, "max_ms"),
-            _rat(r, "vs_without"),
-            r.get("nn_module_untouched"),
-        ],
-    ),
-    "comm": (
-        "Collectives: effective GB/s = bytes / time; x limit = GB/s / plain copy GB/s; "
-        "rows that move no byte (views) in us per call",
-        [
-            "op",
-            "bytes",
-            "impl",
-            "threads",
-            "status",
-            "median ms",
-            "GB/s",
-            "us/call",
-            "x limit",
-            "x torch",
-        ],  # fmt: skip
-        lambda r: [
-            r.get("op"),
-            _bytes(r.get("bytes")),
-            r["mode"],
-            r.get("threads"),
-            _status(r),
-            _t(r, "median_ms"),
-            r.get("gbps"),
-            r.get("us_per_call"),
-            r.get("frac_of_limit"),
-            _rat(r, "vs_torch"),
-        ],
-    ),
-}
-
-
 def _section(suite: str) -> str:
     if suite in STEP_SUITES[1:]:
         return "steps"
@@ -483,18 +259,95 @@ def _bytes(n: int | None) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+Field = str | Callable[[dict], object]
+
+
+def _layers(r: dict) -> object:
+    return r.get("layers") if "mlp" in r.get("workload", "") else r.get("workload")
+
+
+def _get(r: dict, field: Field) -> object:
+    """A cell: ``field`` is a dotted path into the record (``time_ms.median_ms``) or a function."""
+    if callable(field):
+        return field(r)
+    v: object = r
+    for k in field.split("."):
+        v = v.get(k) if isinstance(v, dict) else None
+    return v
+
+
+# The stdout tables as data: section -> (title, [(column header, field)]), ``_get``'s fields.
+WORKLOAD, MODE, STATUS = ("workload", "workload"), ("mode", _mode), ("status", _status)
+LAUNCH, RAW_MODE, DEVICES = ("launch", _launch), ("mode", "mode"), ("devices", _devs)
+MEDIAN, MIN, MAX = (
+    ("median", "time_ms.median_ms"),
+    ("min", "time_ms.min_ms"),
+    ("max", "time_ms.max_ms"),
+)
+TIMES, STEP = [MEDIAN, MIN, MAX], ("step ms", "time_ms.median_ms")
+X_FLOOR, X_BARE = ("x floor", "ratios.vs_floor"), ("x bare", "ratios.vs_bare")
+X_DP, X_TORCH = ("x dp_algo", "ratios.vs_dp_algo"), ("x torch", "ratios.vs_torch")
+SECTIONS: dict[str, tuple[str, list[tuple[str, Field]]]] = {
+    "passthrough": (
+        "Pass-through (no GPU: FastDataParallel(m) calls the module), ms per call",
+        [WORKLOAD, ("step", "step"), MODE, STATUS, *TIMES, ("+us", "overhead_us"), X_BARE],
+    ),
+    "steps": (
+        "Training step (forward + backward), ms",
+        [WORKLOAD, ("input", "input"), DEVICES, MODE, LAUNCH, STATUS, *TIMES, X_FLOOR]
+        + [X_BARE, X_DP, ("x torch_dp", "ratios.vs_torch_dp")],
+    ),
+    "overhead": (
+        "Host overhead and Python calls per step (4 replicas, 2 samples each); "
+        "overhead = step - model_chunks",
+        [WORKLOAD, ("params", "params"), MODE, LAUNCH, STATUS, STEP, X_FLOOR]
+        + [("overhead ms", "overhead_ms"), ("calls/step", "calls_per_step")]
+        + [("in model", "calls.model"), ("wrapper calls", "wrapper_calls_per_step")]
+        + [("in fastdp", "calls_in.fastdp"), ("x dp_algo (ovh)", "ratios.overhead_vs_dp_algo")],
+    ),
+    "replicate": (
+        "Steady-state replicate() of Linear(32,32) x layers, ms per call",
+        [("layers", _layers), ("replicas", "replicas"), RAW_MODE, STATUS, *TIMES, X_DP, X_TORCH],
+    ),
+    "replicate_gpu": (
+        "replicate() and the parameter broadcast alone, ms per call",
+        [WORKLOAD, ("params", "params"), ("MiB", lambda r: (r.get("param_bytes") or 0) / 2**20)]
+        + [DEVICES, RAW_MODE, STATUS, *TIMES, X_DP, X_TORCH],
+    ),
+    "compile": (
+        "torch.compile on persistent replicas: training step ms; x floor = vs the same "
+        "kind of floor (module on the chunks in turn), x eager = vs eager fastdp",
+        [WORKLOAD, DEVICES, RAW_MODE, STATUS, MEDIAN, MIN, X_FLOOR]
+        + [("x eager", "ratios.vs_fastdp_eager"), ("first step s", "first_step_s")]
+        + [("frames", "frames_first_step"), ("recompiles/20", "recompiles_20_steps")],
+    ),
+    "module-build": (
+        "Building nn.Sequential(Linear(32, 32) x layers) while a persistent wrapper "
+        "is alive vs with none, ms (NOTE [ Replica invalidation ])",
+        [WORKLOAD, RAW_MODE, STATUS, *TIMES, ("x without", "ratios.vs_without")]
+        + [("nn.Module untouched", "nn_module_untouched")],
+    ),
+    "comm": (
+        "Collectives: effective GB/s = bytes / time; x limit = GB/s / plain copy GB/s; "
+        "rows that move no byte (views) in us per call",
+        [("op", "op"), ("bytes", lambda r: _bytes(r.get("bytes"))), ("impl", "mode")]
+        + [("threads", "threads"), STATUS, ("median ms", "time_ms.median_ms"), ("GB/s", "gbps")]
+        + [("us/call", "us_per_call"), ("x limit", "frac_of_limit"), X_TORCH],
+    ),
+}
+
+
 def format_tables(records: list[dict]) -> str:
-    order: list[str] = []
-    for r in records:
-        if r.get("suite") and r["suite"] not in order:
-            order.append(r["suite"])
+    order = list(dict.fromkeys(r["suite"] for r in records if r.get("suite")))
     parts = [] if records else ["(nothing was measured: no requested suite can run here)"]
     for suite in order:
-        title, headers, row = _SECTIONS.get(_section(suite), _SECTIONS["steps"])
+        title, cols = SECTIONS.get(_section(suite), SECTIONS["steps"])
         rows = [
-            row(r) for r in records if r.get("suite") == suite and r.get("status") != "unsupported"
+            [_get(r, field) for _, field in cols]
+            for r in records
+            if r.get("suite") == suite and r.get("status") != "unsupported"
         ]
-        parts.append(_table(f"{suite}: {title}", headers, rows))
+        parts.append(_table(f"{suite}: {title}", [h for h, _ in cols], rows))
     errs = [r for r in records if r.get("error") and r.get("status") != "unsupported"]
     if errs:
         parts.append("== Errors and failed checks")
@@ -541,13 +394,53 @@ def _load(meta: dict) -> str:
     return f"{la['start']:.1f} at start, {la['end']:.1f} at end"
 
 
-def _markdown_table(
-    rows: list[dict] | None, header: str, rule: str, row: Callable[[dict], str]
-) -> list[str]:
-    """A Markdown table of ``rows`` (a line each by ``row``), then a blank line; none if no rows."""
-    if not rows:
-        return []
-    return [header, rule, *(row(r) for r in rows), ""]
+# The headline's Markdown tables as data: headline key -> [(header, rule, field, format spec)];
+# spec None: ``_fmt``; a field (a, b): "a (b)", both by ``_fmt``.
+MARKDOWN: dict[str, list[tuple[str, str, str | tuple[str, str], str | None]]] = {
+    "replicate_cpu": [
+        ("layers", "---:", "layers", ""),
+        ("replicas", "---:", "replicas", ""),
+        ("fastdp replicate (ms)", "---:", "fastdp_ms", ".3g"),
+        ("DataParallel's algorithm (ms)", "---:", "dp_algo_ms", ".3g"),
+        ("ratio", "---:", "ratio", ".3f"),
+    ],
+    "overhead": [
+        ("workload", "---", "workload", ""),
+        ("parameter tensors", "---:", "params", ""),
+        ("mode", "---", "mode", ""),
+        ("step (ms)", "---:", "step_ms", None),
+        ("host overhead (ms)", "---:", "overhead_ms", None),
+        ("wrapper Python calls per step", "---:", "wrapper_calls_per_step", None),
+    ],
+    "steps_fastdp": [
+        ("suite", "---", "suite", ""),
+        ("workload", "---", "workload", ""),
+        ("input", "---", "input", ""),
+        ("replicas", "---:", "replicas", ""),
+        ("fastdp step (ms)", "---:", "step_ms", None),
+        ("x floor", "---:", "vs_floor", None),
+        ("x bare", "---:", "vs_bare", None),
+        ("x dp_algo", "---:", "vs_dp_algo", None),
+        ("x nn.DataParallel", "---:", "vs_torch_dp", None),
+    ],
+    "launch": [
+        ("suite", "---", "suite", ""),
+        ("workload", "---", "workload", ""),
+        ("replicas", "---:", "replicas", ""),
+        ("floor (ms)", "---:", "floor_ms", None),
+        ("threads (x floor)", "---:", ("threads_ms", "threads_x_floor"), None),
+        ("inline (x floor)", "---:", ("inline_ms", "inline_x_floor"), None),
+        ("auto (x floor)", "---:", ("auto_ms", "auto_x_floor"), None),
+        ("auto picked", "---", "auto_pick", ""),
+        ("auto / threads", "---:", "auto_x_threads", None),
+    ],
+}
+
+
+def _cell(r: dict, field: str | tuple[str, str], spec: str | None) -> str:
+    if isinstance(field, tuple):
+        return f"{_fmt(r.get(field[0]))} ({_fmt(r.get(field[1]))})"
+    return _fmt(r.get(field)) if spec is None else format(r[field], spec)
 
 
 def headline_markdown(doc: dict) -> str:
@@ -564,49 +457,17 @@ def headline_markdown(doc: dict) -> str:
         f"1-min load average {_load(meta)}.",
         "",
     ]
-    lines += _markdown_table(
-        head.get("replicate_cpu"),
-        "| layers | replicas | fastdp replicate (ms) | DataParallel's algorithm (ms) | ratio |",
-        "|---:|---:|---:|---:|---:|",
-        lambda r: (
-            f"| {r['layers']} | {r['replicas']} | {r['fastdp_ms']:.3g} | "
-            f"{r['dp_algo_ms']:.3g} | {r['ratio']:.3f} |"
-        ),
-    )
-    lines += _markdown_table(
-        head.get("overhead"),
-        "| workload | parameter tensors | mode | step (ms) | host overhead (ms) | "
-        "wrapper Python calls per step |",
-        "|---|---:|---|---:|---:|---:|",
-        lambda r: (
-            f"| {r['workload']} | {r['params']} | {r['mode']} | {_fmt(r['step_ms'])} | "
-            f"{_fmt(r['overhead_ms'])} | {_fmt(r['wrapper_calls_per_step'])} |"
-        ),
-    )
-    lines += _markdown_table(
-        head.get("steps_fastdp"),
-        "| suite | workload | input | replicas | fastdp step (ms) | x floor | x bare "
-        "| x dp_algo | x nn.DataParallel |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-        lambda r: (
-            f"| {r['suite']} | {r['workload']} | {r['input']} | {r['replicas']} | "
-            f"{_fmt(r['step_ms'])} | {_fmt(r.get('vs_floor'))} | {_fmt(r.get('vs_bare'))} | "
-            f"{_fmt(r.get('vs_dp_algo'))} | {_fmt(r.get('vs_torch_dp'))} |"
-        ),
-    )
-    lines += _markdown_table(
-        head.get("launch"),
-        "| suite | workload | replicas | floor (ms) | threads (x floor) "
-        "| inline (x floor) | auto (x floor) | auto picked | auto / threads |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
-        lambda r: (
-            f"| {r['suite']} | {r['workload']} | {r['replicas']} | {_fmt(r['floor_ms'])} | "
-            f"{_fmt(r['threads_ms'])} ({_fmt(r['threads_x_floor'])}) | "
-            f"{_fmt(r['inline_ms'])} ({_fmt(r['inline_x_floor'])}) | "
-            f"{_fmt(r['auto_ms'])} ({_fmt(r['auto_x_floor'])}) | {r['auto_pick']} | "
-            f"{_fmt(r['auto_x_threads'])} |"
-        ),
-    )
+    for key, cols in MARKDOWN.items():
+        if head.get(key):
+            lines += [
+                "| " + " | ".join(h for h, *_ in cols) + " |",
+                "|" + "|".join(rule for _, rule, *_ in cols) + "|",
+                *(
+                    "| " + " | ".join(_cell(r, f, spec) for *_, f, spec in cols) + " |"
+                    for r in head[key]
+                ),
+                "",
+            ]
     if head.get("not_ok"):
         lines += ["Not ok in this run: " + "; ".join(head["not_ok"]), ""]
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from fastdp.bench.workloads import Workload
 
 @dataclass
 class Settings:
-    """How hard to measure. ``profile`` picks workload sizes (see ``workloads.PROFILES``)."""
+    """How hard to measure; ``profile`` picks the workload sizes (tiny, quick, cpu or gpu)."""
 
     profile: str = "cpu"
     repeats: int = 10
@@ -36,11 +36,6 @@ class Settings:
     rtol_cpu: float = 1e-4
     rtol_cuda: float = 2e-3  # cuDNN picks per-shape algorithms (TF32 convolutions by default)
     check: bool = True
-
-    def measure(
-        self, fn: Callable[[], object], sync: Callable[[], None] | None = None
-    ) -> timing.Stats:
-        return self.measure_many({"_": fn}, sync)["_"]
 
     def measure_many(
         self, fns: dict[str, Callable[[], object]], sync: Callable[[], None] | None = None
@@ -174,21 +169,15 @@ def time_modes(
     calls: dict[str, Callable] = {}
     with contextlib.ExitStack() as stack:
         for m in mode_list:
+            target = (bare_model or model) if m in ("bare", "floor") else model
+            wrapper = modes.wrapped(m, target, None if m == "bare" else devices)
 
-            def setup(r: dict, m: str = m) -> None:
-                target = (bare_model or model) if m in ("bare", "floor") else model
-                call = stack.enter_context(
-                    modes.wrapped(m, target, None if m == "bare" else devices)
-                )
-                calls[m] = call
+            def setup(
+                r: dict, m: str = m, wrapper: contextlib.AbstractContextManager = wrapper
+            ) -> None:
+                calls[m] = call = stack.enter_context(wrapper)
                 if m not in ("bare", "floor") and s.check:
-                    rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
-                    # nn.DataParallel without CUDA runs the module on the whole batch
-                    chunks = 1 if m == "torch_dp" and not call.device_ids else n
-                    with modes.mode_context(m):
-                        r["check"] = modes.check(model, call, args, chunks, ref_device, rtol)
-                    if not r["check"]["ok"]:
-                        r["status"] = "check_failed"
+                    check_mode(r, s, m, model, call, args, n, ref_device)
                 fn = modes.in_mode(m, make(call, args))
                 if "check" not in r:
                     fn()  # a mode that cannot run fails here, inside its own record
@@ -201,6 +190,19 @@ def time_modes(
         model.zero_grad(set_to_none=True)
         record_launch(recs, calls)
     return list(recs.values())
+
+
+def check_mode(
+    r: dict, s: Settings, m: str, model: nn.Module, call: Callable, args: tuple, n: int, ref_device
+) -> None:  # noqa: ANN001
+    """``r["check"]``: mode ``m``'s outputs and gradients against the module on the chunks."""
+    rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
+    # nn.DataParallel without CUDA runs the module on the whole batch
+    chunks = 1 if m == "torch_dp" and not call.device_ids else n
+    with modes.mode_context(m):
+        r["check"] = modes.check(model, call, args, chunks, ref_device, rtol)
+    if not r["check"]["ok"]:
+        r["status"] = "check_failed"
 
 
 def record_launch(recs: dict, calls: dict) -> None:

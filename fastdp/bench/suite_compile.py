@@ -1,24 +1,8 @@
-"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas.
-
-Per workload and replica count (CPU replicas ``['cpu'] * n``; replicas sharing cuda:0 when a GPU
-is present, unverified until a GPU run), timed interleaved:
-
-``floor_compiled``    the compiled module on the same chunks in turn, no wrapper: the compiled floor
-``fastdp_compiled``   ``FastDataParallel(torch.compile(m))``: every persistent replica compiled
-``fastdp_wrapper``    ``FastDataParallel(m).compile(...)``: the wrapper's form (same options)
-``dp_algo_compiled``  DataParallel's algorithm (fresh replicas every step, fastdp's port of
-                      torch's ``replicate``) with the compiled module
-``floor``             the eager module on the chunks in turn: the eager floor
-``fastdp``            eager ``FastDataParallel(m)``
-``torch_dp``          recorded as unsupported: ``nn.DataParallel`` has no CPU replicas, and its
-                      ``replicate`` writes a compiled module's copies into the module itself
-                      (RecursionError on the next step; see NOTE [ Compiled replicas ])
-
-Per compiled mode the JSON has ``first_step_s`` (the first step: dynamo + backend compile,
-forward and backward), ``frames_first_step`` (dynamo frames compiled by it: 0 when it reused
-entries an earlier mode made) and ``recompiles_20_steps`` (dynamo frames + graphs made over 20
-steady steps: 0 means no recompiles and no new graphs). Ratios: ``x floor`` against the floor of
-the same kind (compiled or eager), ``x eager`` against eager fastdp.
+"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (modes,
+workloads and the recorded fields in bench/README.md, *Suites*). ``torch_dp`` is recorded as
+unsupported: ``nn.DataParallel`` has no CPU replicas, and its ``replicate`` writes a compiled
+module's copies into the module itself (RecursionError on the next step; NOTE [ Compiled
+replicas ]).
 """
 
 from __future__ import annotations
@@ -30,10 +14,9 @@ import torch
 from torch import nn
 
 from fastdp.bench import modes
-from fastdp.bench.runner import Settings, Task, guarded, time_into
+from fastdp.bench.runner import Settings, Task, check_mode, guarded, time_into
 
 COMPILED = ("floor_compiled", "fastdp_compiled", "fastdp_wrapper", "dp_algo_compiled")
-EAGER = ("floor", "fastdp")
 FLOOR = {
     "fastdp_compiled": "floor_compiled",
     "fastdp_wrapper": "floor_compiled",
@@ -134,25 +117,7 @@ def _run(
     for m, (call, ref) in calls.items():
 
         def setup(r: dict, m: str = m, call: Callable = call, ref: nn.Module | None = ref) -> None:
-            step = modes.train_step(call, () if ref is None else args)
-            before, t0 = _frames(), time.perf_counter()
-            step()
-            if m in COMPILED:
-                r["first_step_s"] = time.perf_counter() - t0
-                r["frames_first_step"] = _frames() - before
-            if ref is not None and s.check:  # the wrapper against its module on the chunks
-                r["check"] = modes.check(
-                    ref, call, args, n, dev, s.rtol_cuda if kind == "cuda" else s.rtol_cpu
-                )
-                if not r["check"]["ok"]:
-                    r["status"] = "check_failed"
-            for _ in range(3):
-                step()
-            before = _counts()
-            for _ in range(20):
-                step()
-            r["recompiles_20_steps"] = _counts() - before
-            steps[m] = step
+            steps[m] = _settle(r, s, m, call, ref, args, n, dev)
 
         guarded(recs[m], setup)
     model.zero_grad(set_to_none=True)
@@ -163,6 +128,35 @@ def _run(
     out.append({**base, "mode": "torch_dp", "status": "unsupported", "error": _TORCH_DP})
     torch._dynamo.reset()
     return out
+
+
+def _settle(
+    r: dict,
+    s: Settings,
+    m: str,
+    call: Callable,
+    ref: nn.Module | None,
+    args: tuple,
+    n: int,
+    dev: str,
+) -> Callable[[], None]:
+    """The first step (timed, frames counted for a compiled mode), the check of a wrapper against
+    its module on the chunks, then recompiles over 20 steady steps; returns the step."""
+    step = modes.train_step(call, () if ref is None else args)
+    before, t0 = _frames(), time.perf_counter()
+    step()
+    if m in COMPILED:
+        r["first_step_s"] = time.perf_counter() - t0
+        r["frames_first_step"] = _frames() - before
+    if ref is not None and s.check:
+        check_mode(r, s, m, ref, call, args, n, dev)
+    for _ in range(3):
+        step()
+    before = _counts()
+    for _ in range(20):
+        step()
+    r["recompiles_20_steps"] = _counts() - before
+    return step
 
 
 def _on_chunks(module: Callable, chunks: list[tuple]) -> Callable:

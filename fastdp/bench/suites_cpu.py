@@ -1,17 +1,5 @@
-"""CPU suites: pass-through, CPU replicas, host overhead and calls per step, replicate(), builds.
-
-``passthrough``   ``FastDataParallel(m)`` without any GPU (``device_ids == []``: it just calls the
-                  module) against the bare module and ``nn.DataParallel(m)`` (also a pass-through).
-``cpu-replicas``  training steps on ``device_ids=['cpu'] * n``, n = 1, 2, 4: fastdp (``auto``, and
-                  each launch strategy forced), fastdp without its extension and DataParallel's
-                  algorithm, against the chunked floor and the bare module on the batch. The
-                  compute-bound ``wide8`` runs on 2 replicas only (see ``WIDE_REPLICAS``).
-``overhead``      per step (forward + backward, two samples per replica on 4
-                  replicas) the host time and the Python calls of the wrapper, i.e. the step minus
-                  the model's own work (the bare module run on the same 4 chunks in turn).
-``replicate``     steady-state ``replicate()`` of an n-layer ``nn.Sequential`` of ``Linear(32, 32)``
-                  on 4 CPU replicas: ``FastDataParallel.replicate`` vs DataParallel's algorithm.
-``module-build``  building a 1000-layer model while a persistent wrapper is alive vs without one.
+"""The CPU suites: ``passthrough``, ``cpu-replicas``, ``overhead`` (also ``overhead-cuda``),
+``replicate`` and ``module-build``; what each measures is in bench/README.md, *Suites*.
 """
 
 from __future__ import annotations
@@ -24,45 +12,44 @@ from torch import nn
 
 import fastdp.bench.workloads as wl
 from fastdp.bench import modes, timing
-from fastdp.bench.runner import Settings, Task, guarded, record_launch, time_into, time_modes
+from fastdp.bench.runner import (
+    Settings,
+    Task,
+    check_mode,
+    guarded,
+    record_launch,
+    time_into,
+    time_modes,
+)
 
-# What each profile runs (the workloads' sizes come from workloads.catalogue(profile)).
-_OVERHEAD = ["mlp10", "mlp100", "mlp1000", "resnet50", "transformer12"]
+# What each profile runs: workloads (the sizes come from workloads.catalogue(profile)), and for
+# ``replicate`` layer counts.
 PLAN = {
     "tiny": {
-        "passthrough": ["mlp10"],
-        "cpu-replicas": ["mlp10", "mlp10-dict16", "wide8"],
-        "overhead": ["mlp10", "mlp100"],
-        "replicate": [10, 100],
+        "passthrough": "mlp10",
+        "cpu-replicas": "mlp10 mlp10-dict16 wide8",
+        "overhead": "mlp10 mlp100",
+        "replicate": "10 100",
     },
     "quick": {
-        "passthrough": ["mlp10"],
-        "cpu-replicas": ["mlp100", "resnet50", "transformer12", "lstm", "mlp10-dict16", "wide8"],
-        "overhead": ["mlp10", "mlp100", "resnet50", "transformer12"],
-        "replicate": [10, 100, 1000],
+        "passthrough": "mlp10",
+        "cpu-replicas": "mlp100 resnet50 transformer12 lstm mlp10-dict16 wide8",
+        "overhead": "mlp10 mlp100 resnet50 transformer12",
+        "replicate": "10 100 1000",
     },
     "cpu": {
-        "passthrough": ["mlp10", "mlp100"],
-        "cpu-replicas": [
-            "mlp100",
-            "mlp1000",
-            "resnet50",
-            "transformer12",
-            "lstm",
-            "mlp10-dict16",
-            "wide8",
-        ],
-        "overhead": _OVERHEAD,
-        "replicate": [10, 30, 100, 300, 1000],
+        "passthrough": "mlp10 mlp100",
+        "cpu-replicas": "mlp100 mlp1000 resnet50 transformer12 lstm mlp10-dict16 wide8",
+        "overhead": "mlp10 mlp100 mlp1000 resnet50 transformer12",
+        "replicate": "10 30 100 300 1000",
     },
 }
-
-
 WIDE_REPLICAS = (2,)  # the compute-bound workload: 2 CPU replicas, one per core
 
 
 def plan(profile: str, suite: str) -> list:
-    return PLAN.get(profile, PLAN["cpu"])[suite]
+    names = PLAN.get(profile, PLAN["cpu"])[suite].split()
+    return [int(k) for k in names] if suite == "replicate" else names
 
 
 _TORCH_DP_CPU = (
@@ -123,15 +110,7 @@ def cpu_replicas(s: Settings) -> list[Task]:
             devices=["cpu"] * n,
             n=n,
             ref_device="cpu",
-            mode_list=(
-                "bare",
-                "floor",
-                "fastdp",
-                "fastdp_threads",
-                "fastdp_inline",
-                "fastdp_noext",
-                "dp_algo",
-            ),
+            mode_list=("bare", "floor", *modes.WRAPPERS[1:]),
         )
         recs.append(
             {
@@ -170,23 +149,11 @@ def _areas() -> dict[str, str]:
 def overhead_tasks(
     s: Settings, device: str = "cpu", n: int = 4, per_replica: int = 2
 ) -> list[Task]:
-    """Host time and Python calls per step of the wrapper itself; see the module docstring.
-
-    The batch is ``per_replica`` samples per replica (2: BatchNorm needs more than one value per
-    channel in training mode), so the model's own work is small and the wrapper's cost shows.
-
-    Method: a profile hook counts Python calls in every thread Python starts (two steps, after
-    two uncounted warm-up steps; see ``timing.CallCounter``). Calls made while one of the model's
-    ``forward`` methods is running in that thread (on the original or on a replica) are the
-    model's; the others are *outside* calls. The wrapper's calls are ``outside(wrapper step) -
-    outside(model step)``, the model step being the bare module on the same n chunks in turn, one
-    concatenation, the same loss and backward (so the loss, the top-level module calls and the
-    backward call cancel out). Counting by forward extent rather than subtracting totals matters:
-    replicas whose parameters are plain attributes skip ``Module.__getattr__``, so a replica's
-    forward makes fewer Python calls than the original's. ``calls_in`` reports the outside calls
-    whose code lives in the fastdp package (bench excluded) and in ``torch/nn/parallel``; the most
-    called outside functions are in ``top_functions``. Times: the wrappers and the model step are
-    timed interleaved with fresh wrappers (the hook is off by then).
+    """Host time and Python calls per step of the wrapper itself: the step minus the model's own
+    work, the bare module on the same ``n`` chunks in turn (``model_chunks``). ``per_replica``
+    samples per replica (2: BatchNorm needs more than one value per channel), so the wrapper's
+    cost shows. How calls are counted and attributed: bench/README.md, *Python calls per step*.
+    Times: the wrappers and the model step interleaved, with fresh wrappers (the hook off).
     """
     cat = wl.catalogue(s.profile)
     names = plan(s.profile, "overhead")
@@ -212,23 +179,11 @@ def overhead_tasks(
             "modules": sum(1 for _ in model.modules()),
         }
         refs = {k: _model_step(model, args, k) for k in sorted({k for _, k in runs})}
-        recs = {
-            ("model_chunks", k): {
-                **base,
-                "mode": "model_chunks",
-                "replicas": k,
-                "devices": [dev] * k,
-            }
-            for k in refs
-        }
-        recs.update(
-            {(m, k): {**base, "mode": m, "replicas": k, "devices": [dev] * k} for m, k in runs}
-        )
+        keys = [("model_chunks", k) for k in refs] + runs
+        recs = {(m, k): {**base, "mode": m, "replicas": k, "devices": [dev] * k} for m, k in keys}
+        codes = timing.forward_codes(model)
         for k, fn in refs.items():
-            guarded(
-                recs[("model_chunks", k)],
-                lambda r, fn=fn: _count(r, fn, timing.forward_codes(model)),
-            )
+            guarded(recs[("model_chunks", k)], lambda r, fn=fn: _count(r, fn, codes))
         model.zero_grad(set_to_none=True)
         for m, k in runs:
             guarded(
@@ -237,15 +192,21 @@ def overhead_tasks(
             )
         model.zero_grad(set_to_none=True)
         _time_together(s, recs, refs, model, args, ids, sync)
-        for (m, k), r in recs.items():
-            ref = recs[("model_chunks", k)]
-            if m != "model_chunks" and "time_ms" in r and "time_ms" in ref:
-                r["overhead_ms"] = r["time_ms"]["median_ms"] - ref["time_ms"]["median_ms"]
-            if m != "model_chunks" and "calls" in r and "calls" in ref:
-                r["wrapper_calls_per_step"] = r["calls"]["outside"] - ref["calls"]["outside"]
+        _subtract_model(recs)
         return list(recs.values())
 
     return [Task(suite, name, lambda w=cat[name]: run(w)) for name in names]
+
+
+def _subtract_model(recs: dict) -> None:
+    """Each wrapper's ``overhead_ms`` and ``wrapper_calls_per_step``: its step minus the model
+    step (``model_chunks``) of the same replica count, in time and in calls outside the model."""
+    for (m, k), r in recs.items():
+        ref = recs[("model_chunks", k)]
+        if m != "model_chunks" and "time_ms" in r and "time_ms" in ref:
+            r["overhead_ms"] = r["time_ms"]["median_ms"] - ref["time_ms"]["median_ms"]
+        if m != "model_chunks" and "calls" in r and "calls" in ref:
+            r["wrapper_calls_per_step"] = r["calls"]["outside"] - ref["calls"]["outside"]
 
 
 def _model_step(model, args: tuple, k: int):  # noqa: ANN001, ANN202
@@ -288,17 +249,7 @@ def _count_wrapper(
     codes = timing.forward_codes(model)
     with timing.CallCounter(_areas(), codes) as cc, modes.wrapped(mode, model, devices) as call:
         if s.check:
-            with modes.mode_context(mode):
-                r["check"] = modes.check(
-                    model,
-                    call,
-                    args,
-                    len(devices),
-                    dev,
-                    s.rtol_cuda if "cuda" in dev else s.rtol_cpu,
-                )
-            if not r["check"]["ok"]:
-                r["status"] = "check_failed"
+            check_mode(r, s, mode, model, call, args, len(devices), dev)
         step = modes.in_mode(mode, modes.train_step(call, args))
         modes.settle(call, step)  # auto: counted once its trials are over
         for _ in range(COUNT_WARMUP):
@@ -338,6 +289,27 @@ def consume_graph(replicas: list) -> None:
                 return
 
 
+def _check_replicas(r: dict, replicate, model: nn.Module, x: torch.Tensor, n: int) -> None:  # noqa: ANN001
+    """Every replica ``replicate()`` makes computes what the module computes; then the Python
+    calls of one steady-state call (``calls_per_call``, ``top_functions``)."""
+    reps = replicate()
+    want = model(x)
+    err = max((rep(x) - want).abs().max().item() for rep in reps)
+    r["check"] = {
+        "ok": len(reps) == n and err <= 1e-6 * max(1.0, want.abs().max().item()),
+        "max_abs_err": err,
+        "replicas": len(reps),
+    }
+    if not r["check"]["ok"]:
+        r["status"] = "check_failed"
+    consume_graph(reps)
+    held: list = []
+    with timing.CallCounter() as cc:  # the replicate() call alone, steady state
+        r["calls_per_call"] = cc.counted(lambda: held.append(replicate()))["total"]
+        r["top_functions"] = cc.top()
+    consume_graph(held.pop())
+
+
 def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) -> list[Task]:
     """Steady-state ``replicate()`` cost on ``n`` CPU replicas: ``FastDataParallel.replicate``
     (after warm-up calls) vs DataParallel's algorithm (``fastdp.replicate.replicate``, fresh
@@ -371,26 +343,7 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
         }
         recs = {m: {**base, "mode": m} for m in impls}
         for m, fn in impls.items():
-
-            def check(r: dict, fn=fn) -> None:
-                reps = fn()
-                want = model(x)
-                err = max((rep(x) - want).abs().max().item() for rep in reps)
-                r["check"] = {
-                    "ok": len(reps) == n and err <= 1e-6 * max(1.0, want.abs().max().item()),
-                    "max_abs_err": err,
-                    "replicas": len(reps),
-                }
-                if not r["check"]["ok"]:
-                    r["status"] = "check_failed"
-                consume_graph(reps)
-                held: list = []
-                with timing.CallCounter() as cc:  # the replicate() call alone, steady state
-                    r["calls_per_call"] = cc.counted(lambda: held.append(fn()))["total"]
-                    r["top_functions"] = cc.top()
-                consume_graph(held.pop())
-
-            guarded(recs[m], check)
+            guarded(recs[m], lambda r, fn=fn: _check_replicas(r, fn, model, x, n))
         model.zero_grad(set_to_none=True)
         time_into(
             s,

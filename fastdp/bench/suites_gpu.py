@@ -1,21 +1,6 @@
-"""GPU suites (planned only where ``torch.cuda.is_available()``).
-
-``gpu-comm`` / ``multigpu-comm``     scatter (from a GPU, from pinned and from pageable host
-    memory), gather and ``broadcast_coalesced``: ``fastdp.comm`` against ``torch.nn.parallel.comm``
-    on the same tensors, interleaved with the copy limits: one plain copy of the same bytes
-    (pinned host -> cuda:0 for host sources, cuda:0 -> the last device otherwise, and a host
-    memcpy). Same-device scatter rows are ``view`` rows in us per call; the pageable rows run at
-    1 and 8 threads (NOTE [ Threads of the pageable rows ]).
-``gpu-replicate`` / ``multigpu-replicate``   ``torch.nn.parallel.replicate``, DataParallel's
-    algorithm (``fastdp.replicate.replicate``), ``FastDataParallel.replicate`` (steady state: each
-    timed call followed, untimed, by a backward through the replicas, as in training) and the
-    parameter broadcast alone (``torch_broadcast_coalesced`` vs ``fastdp_comm_broadcast_coalesced``:
-    ``fastdp.comm.broadcast_coalesced``, not the engine refresh ``fastdp`` replicas use).
-``gpu-steps`` / ``multigpu-steps``   training steps: replicas sharing cuda:0 (``[0] * n``) or one
-    per distinct GPU (``[0, 1, ..., k-1]``), every mode, inputs on cuda:0 and as a host batch
-    (pageable and pinned; the bare module's step then includes its own copy to cuda:0).
-    ``multigpu-steps`` adds ``wide8`` (8 x Linear(4096, 4096) at the gpu profile: 134M
-    parameters) against ``nn.DataParallel``; every fastdp record carries ``comm_stats``.
+"""The GPU suites (planned only where ``torch.cuda.is_available()``): ``gpu-comm`` /
+``multigpu-comm``, ``gpu-replicate`` / ``multigpu-replicate``, ``gpu-steps`` / ``multigpu-steps``;
+what each measures is in bench/README.md, *Suites*.
 
 ``DRY_RUN = True`` (the hidden ``--gpu-dry-run`` flag) runs the same code on CPU devices, so a
 machine without a GPU can execute every line of these suites; its figures mean nothing.
@@ -23,8 +8,9 @@ machine without a GPU can execute every line of these suites; its figures mean n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -84,10 +70,15 @@ def _exact(got, want) -> bool:  # noqa: ANN001
     )
 
 
-def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple[dict, int]:
-    """name -> (kind, {impl: fn}, expected result or None), and the broadcast's tensor count."""
+def _both(op: str, *args: object) -> dict[str, Callable[[], object]]:
+    """``torch.nn.parallel.comm``'s ``op`` and ``fastdp.comm``'s, on the same arguments."""
     from fastdp import comm as fcomm
 
+    return {"torch": lambda: getattr(tcomm, op)(*args), "fastdp": lambda: getattr(fcomm, op)(*args)}
+
+
+def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple[dict, int]:
+    """name -> (kind, {impl: fn}, expected result or None), and the broadcast's tensor count."""
     n = len(devices)
     pinned, pageable = _pin(x.cpu()), x.cpu().clone()
     dst_far = torch.empty_like(x, device=devs[-1])
@@ -100,44 +91,13 @@ def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple
         "limit_h2d": ("limit", {"copy": lambda: dst_h2d.copy_(pinned, non_blocking=True)}, None),
         "limit_d2d": ("limit", {"copy": lambda: dst_far.copy_(x, non_blocking=True)}, None),
         "limit_host": ("limit", {"copy": lambda: dst_host.copy_(pageable)}, None),
-        "scatter_gpu": (
-            "view" if same_device else "scatter",
-            {
-                "torch": lambda: tcomm.scatter(x, devices),
-                "fastdp": lambda: fcomm.scatter(x, devices),
-            },
-            chunks,
-        ),
-        "scatter_pinned": (
-            "scatter",
-            {
-                "torch": lambda: tcomm.scatter(pinned, devices),
-                "fastdp": lambda: fcomm.scatter(pinned, devices),
-            },
-            chunks,
-        ),
-        "scatter_pageable": (
-            "scatter",
-            {
-                "torch": lambda: tcomm.scatter(pageable, devices),
-                "fastdp": lambda: fcomm.scatter(pageable, devices),
-            },
-            chunks,
-        ),
-        "gather": (
-            "gather",
-            {
-                "torch": lambda: tcomm.gather(chunks, 0, devices[0]),
-                "fastdp": lambda: fcomm.gather(chunks, 0, devices[0]),
-            },
-            x,
-        ),
+        "scatter_gpu": ("view" if same_device else "scatter", _both("scatter", x, devices), chunks),
+        "scatter_pinned": ("scatter", _both("scatter", pinned, devices), chunks),
+        "scatter_pageable": ("scatter", _both("scatter", pageable, devices), chunks),
+        "gather": ("gather", _both("gather", chunks, 0, devices[0]), x),
         "broadcast_coalesced": (
             "broadcast",
-            {
-                "torch": lambda: tcomm.broadcast_coalesced(params, devices),
-                "fastdp": lambda: fcomm.broadcast_coalesced(params, devices),
-            },
+            _both("broadcast_coalesced", params, devices),
             [[p.to(d) for p in params] for d in devs],
         ),
     }
@@ -174,14 +134,6 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
         for op, threads in passes:
             kind, impls, ref = ops[op]
             for impl, fn in impls.items():
-
-                def check(r: dict, fn=fn, ref=ref) -> None:
-                    got = fn()
-                    if ref is not None:
-                        r["check"] = {"ok": _exact(got, ref), "exact": True}
-                        if not r["check"]["ok"]:
-                            r["status"] = "check_failed"
-
                 key = (op, impl, threads)
                 recs[key] = guarded(
                     {
@@ -195,7 +147,7 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
                         "tensors": tensors if kind == "broadcast" else 1,
                         "threads": threads or torch.get_num_threads(),
                     },
-                    check,
+                    lambda r, fn=fn, ref=ref: _check_exact(r, fn, ref),
                 )
                 if recs[key]["status"] in ("ok", "check_failed"):
                     fns[key] = fn
@@ -204,35 +156,48 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
             with _threads(t):
                 time_into(s, {k: f for k, f in fns.items() if k[2] == t}, recs, sync)
         out = list(recs.values())
-        for r in out:
-            if "time_ms" in r and r["kind"] == "view":
-                r["us_per_call"] = r["time_ms"]["median_ms"] * 1e3
-            elif "time_ms" in r:
-                r["gbps"] = r["bytes"] / (r["time_ms"]["median_ms"] * 1e-3) / 1e9
-        limits = {(r["op"], r["threads"]): r for r in out if r["kind"] == "limit" and "gbps" in r}
-        run_threads = torch.get_num_threads()
-        for r in out:
-            host = r["op"] in ("scatter_pinned", "scatter_pageable")
-            lim = limits.get(("limit_h2d" if host else "limit_d2d", run_threads))
-            if r["kind"] != "limit" and lim and "gbps" in r:
-                r["limit_op"], r["limit_gbps"] = lim["op"], lim["gbps"]
-                r["frac_of_limit"] = r["gbps"] / lim["gbps"]
+        _bandwidths(out)
         return out
 
     return [Task(suite, f"{z >> 10} KiB", lambda z=z: run(z)) for z in comm_sizes(s.profile)]
 
 
-class _threads:
+def _check_exact(r: dict, fn: Callable[[], object], ref: object) -> None:
+    """The first call; its result bit-exact against ``ref`` (no check where ``ref`` is None)."""
+    got = fn()
+    if ref is not None:
+        r["check"] = {"ok": _exact(got, ref), "exact": True}
+        if not r["check"]["ok"]:
+            r["status"] = "check_failed"
+
+
+def _bandwidths(out: list[dict]) -> None:
+    """``us_per_call`` for rows that move no byte, else ``gbps``; beside each row, the copy
+    limit of its kind at the run's threads and ``frac_of_limit``."""
+    for r in out:
+        if "time_ms" in r and r["kind"] == "view":
+            r["us_per_call"] = r["time_ms"]["median_ms"] * 1e3
+        elif "time_ms" in r:
+            r["gbps"] = r["bytes"] / (r["time_ms"]["median_ms"] * 1e-3) / 1e9
+    limits = {(r["op"], r["threads"]): r for r in out if r["kind"] == "limit" and "gbps" in r}
+    run_threads = torch.get_num_threads()
+    for r in out:
+        host = r["op"] in ("scatter_pinned", "scatter_pageable")
+        lim = limits.get(("limit_h2d" if host else "limit_d2d", run_threads))
+        if r["kind"] != "limit" and lim and "gbps" in r:
+            r["limit_op"], r["limit_gbps"] = lim["op"], lim["gbps"]
+            r["frac_of_limit"] = r["gbps"] / lim["gbps"]
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
     """torch's intra-op threads set to ``n`` inside the block."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.prev = n, torch.get_num_threads()
-
-    def __enter__(self) -> None:
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_num_threads(self.prev)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -62,16 +61,29 @@ def cuda_sync(devices: Sequence[torch.device | int | str]) -> Callable[[], None]
     return sync
 
 
-def measure(fn: Callable[[], object], **options: Any) -> Stats:
-    """Times ``fn`` after ``warmup`` calls: ``repeats`` repeats of ``inner`` calls each. The
-    keyword ``options`` and their defaults are ``measure_many``'s; ``max_total_s`` caps the time
-    spent on the repeats (at least 3 repeats are kept) so that one slow configuration cannot eat
-    the whole run; the number actually done is reported.
-    """
-    return measure_many({"_": fn}, **options)["_"]
-
-
 Timed = Callable[[], object] | tuple[Callable[[], object], Callable[[object], None]]
+
+
+def _once(fn: Callable[[], object], after: Callable[[object], None] | None, sync) -> float:  # noqa: ANN001
+    """One synchronised call of ``fn`` (seconds); ``after(result)`` runs outside the timing."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    dt = time.perf_counter() - t0
+    if after is not None:
+        after(out)
+    return dt
+
+
+def _repeat(fn: Callable[[], object], k: int, sync: Callable[[], None]) -> float:
+    """``k`` calls of ``fn`` between two synchronisations: milliseconds per call."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / k * 1e3
 
 
 def measure_many(
@@ -84,11 +96,12 @@ def measure_many(
     sync: Callable[[], None] | None = None,
     max_inner: int = 10_000,
 ) -> dict[str, Stats]:
-    """Like ``measure`` for several functions, interleaved: repeat k of every function runs before
-    repeat k + 1 of any, so drift of the machine (clock, other load) hits them all alike and the
-    ratios between them are fair; round k starts at function k (mod their number), so none always
-    runs right after the same other one (threads that slept, caches another one filled).
-    ``max_total_s`` caps the sum over all functions.
+    """Times each of ``fns`` after ``warmup`` calls: ``repeats`` repeats of ``inner`` calls each
+    (``inner`` calibrated so that a repeat lasts ``min_repeat_s``), interleaved: repeat k of every
+    function runs before repeat k + 1 of any, so drift of the machine (clock, other load) hits
+    them all alike and the ratios between them are fair; round k starts at function k (mod their
+    number), so none always runs right after the same other one (threads that slept, caches
+    another one filled). ``max_total_s`` caps the time of all repeats (at least 3 are kept).
 
     A value ``(fn, after)`` times ``fn`` alone, one call per repeat, and then calls
     ``after(fn's result)`` outside the timed region (e.g. a backward that the measured call's
@@ -96,23 +109,12 @@ def measure_many(
     """
     sync = sync or (lambda: None)
     pairs = {k: (f if isinstance(f, tuple) else (f, None)) for k, f in fns.items()}
-
-    def once(fn: Callable[[], object], after: Callable[[object], None] | None) -> float:
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        dt = time.perf_counter() - t0
-        if after is not None:
-            after(out)
-        return dt
-
     inner: dict[str, int] = {}
     first: dict[str, float] = {}
     for name, (fn, after) in pairs.items():
         for _ in range(max(warmup, 1)):  # at least one: the first call builds lazy state
-            once(fn, after)
-        first[name] = max(once(fn, after), 1e-9)
+            _once(fn, after, sync)
+        first[name] = max(_once(fn, after, sync), 1e-9)
         k = int(min(max_inner, max(1, math.ceil(min_repeat_s / first[name]))))
         inner[name] = 1 if after is not None else k
     if max_total_s is not None:
@@ -124,15 +126,9 @@ def measure_many(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, after = pairs[name]
             if after is not None:
-                times[name].append(once(fn, after) * 1e3)
-                continue
-            k = inner[name]
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            sync()
-            times[name].append((time.perf_counter() - t0) / k * 1e3)
+                times[name].append(_once(fn, after, sync) * 1e3)
+            else:
+                times[name].append(_repeat(fn, inner[name], sync))
     return {
         name: Stats.of(ms, repeats=repeats, inner=inner[name], warmup=warmup)
         for name, ms in times.items()

@@ -9,12 +9,10 @@ spatial sizes, sequence lengths and batch sizes do.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-PROFILES = ("tiny", "quick", "cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -22,14 +20,11 @@ class Workload:
     """A model factory plus an input factory; ``inputs(batch, device)`` returns positional args."""
 
     name: str
-    family: str
     build: Callable[[], nn.Module]
     inputs: Callable[[int, torch.device | str], tuple]
     batch: int
-    input_kind: str = "tensor"
     layers: int | None = None
-    desc: str = ""
-    meta: dict = field(default_factory=dict)
+    input_kind: str = "tensor"
 
 
 def mlp(layers: int, width: int = 32) -> nn.Sequential:
@@ -143,76 +138,28 @@ _SIZES = {
 
 
 def catalogue(profile: str) -> dict[str, Workload]:
-    """Every workload at the sizes of ``profile``, by name."""
+    """Every workload at the sizes of ``profile``, by name (bench/README.md, *Workloads*)."""
     s = _SIZES[profile]
     base, side, cnn_b = s["cnn"]
     d, heads, ff, seq, tf_b = s["tf"]
     hid, lseq, lstm_b = s["lstm"]
-    out: dict[str, Workload] = {}
-    for n in (10, 100, 1000):
-        out[f"mlp{n}"] = Workload(
-            f"mlp{n}",
-            "mlp",
-            lambda n=n: mlp(n),
-            _randn(32),
-            s["mlp_b"],
-            layers=n,
-            desc=f"{n} x Linear(32, 32)",
-        )
-    out["resnet50"] = Workload(
-        "resnet50",
-        "cnn",
-        lambda: resnet50_shaped(base),
-        _randn(3, side, side),
-        cnn_b,
-        layers=53,
-        desc=f"ResNet-50-shaped, bottlenecks [3,4,6,3], base width {base}, {side}x{side} images",
-        meta={"base": base, "side": side},
-    )
+    width, wide_b = s["wide"]
 
     def transformer() -> nn.Module:
         layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
         return nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
 
-    out["transformer12"] = Workload(
-        "transformer12",
-        "transformer",
-        transformer,
-        _randn(seq, d),
-        tf_b,
-        layers=12,
-        desc=f"nn.TransformerEncoder, 12 layers, d_model {d}, {heads} heads, ff {ff}, seq {seq}",
-    )
-    out["lstm"] = Workload(
-        "lstm",
-        "lstm",
-        lambda: LSTMNet(32, hid),
-        _randn(lseq, 32),
-        lstm_b,
-        layers=2,
-        desc=f"2-layer LSTM, hidden {hid}, seq {lseq}",
-    )
-    out["mlp10-dict16"] = Workload(
-        "mlp10-dict16",
-        "mlp",
-        lambda: DictMLP(),
-        _dict16(32),
-        s["mlp_b"],
-        input_kind="dict16",
-        layers=26,
-        desc="dict of 16 tensors -> 16 Linear(32,32) summed -> 10 x Linear(32,32)",
-    )
-    width, wide_b = s["wide"]
-    out["wide8"] = Workload(
-        "wide8",
-        "mlp",
-        lambda: mlp(8, width),
-        _randn(width),
-        wide_b,
-        layers=8,
-        desc=f"8 x Linear({width}, {width}): compute-bound",
-    )
-    return out
+    out = [
+        Workload(f"mlp{n}", lambda n=n: mlp(n), _randn(32), s["mlp_b"], n) for n in (10, 100, 1000)
+    ]
+    out += [
+        Workload("resnet50", lambda: resnet50_shaped(base), _randn(3, side, side), cnn_b, 53),
+        Workload("transformer12", transformer, _randn(seq, d), tf_b, 12),
+        Workload("lstm", lambda: LSTMNet(32, hid), _randn(lseq, 32), lstm_b, 2),
+        Workload("mlp10-dict16", DictMLP, _dict16(32), s["mlp_b"], 26, "dict16"),
+        Workload("wide8", lambda: mlp(8, width), _randn(width), wide_b, 8),
+    ]
+    return {w.name: w for w in out}
 
 
 def build(w: Workload, device: torch.device | str, seed: int = 0) -> nn.Module:
@@ -221,21 +168,15 @@ def build(w: Workload, device: torch.device | str, seed: int = 0) -> nn.Module:
     return w.build().to(device).train()
 
 
-def make_inputs(
-    w: Workload,
-    device: torch.device | str,
-    batch: int | None = None,
-    pin: bool = False,
-    seed: int = 1,
-) -> tuple:
-    """Deterministic inputs; ``pin=True`` pins CPU tensors (page-locked host memory)."""
+def make_inputs(w: Workload, device: torch.device | str, batch: int | None = None) -> tuple:
+    """Deterministic inputs (seed 1, the caller's random state kept)."""
     g = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    torch.manual_seed(1)
     try:
         args = w.inputs(batch or w.batch, device)
     finally:
         torch.random.set_rng_state(g)
-    return map_tensors(args, lambda t: t.pin_memory()) if pin else args
+    return args
 
 
 def map_tensors(obj, fn):  # noqa: ANN001, ANN201 (any nesting of tuple/list/dict)

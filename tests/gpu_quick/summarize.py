@@ -3,7 +3,7 @@
   python tests/gpu_quick/summarize.py OUTDIR      prints the lines; writes OUTDIR/bench.json
 
 Bench rows are fastdp against torch on the same machine (x torch: ratio of medians) and the
-plain copy (x limit); ``prev x`` is the same ratio in bench/results/gpu-h100-2026-11-24.
+plain copy (x limit); ``prev x`` is the same ratio in bench/results/gpu-h100-2026-11-24-shared-gpu.
 broadcast_coalesced onto [0]*n compares against torch's aliasing rows (torch returns the source
 itself for every replica on its device): a ratio there is not a gap.
 """
@@ -14,7 +14,7 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PREV = os.path.join(ROOT, "bench", "results", "gpu-h100-2026-11-24")
+PREV = os.path.join(ROOT, "bench", "results", "gpu-h100-2026-11-24-shared-gpu")
 
 
 def load(path):

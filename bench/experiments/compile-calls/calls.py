@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from fastdp.bench import modes
+from fastdp.bench import workloads as wl
 from fastdp.bench.suite_compile import gelu_mlp
 from fastdp.data_parallel import FastDataParallel
 
@@ -18,7 +18,7 @@ def main(verbose: bool) -> None:
     model, x = gelu_mlp(64).train(), torch.randn(64, 64)
     fdp = FastDataParallel(torch.compile(model), device_ids=["cpu"] * 2)
     for _ in range(20):
-        modes.loss_of(fdp(x)).backward()
+        wl.loss_of(fdp(x)).backward()
     seen: list[str] = []
 
     def profile(frame, event, arg) -> None:  # noqa: ANN001
@@ -30,7 +30,7 @@ def main(verbose: bool) -> None:
     y = fdp(x)
     sys.setprofile(None)
     n_forward = len(seen)
-    loss = modes.loss_of(y)
+    loss = wl.loss_of(y)
     sys.setprofile(profile)
     loss.backward()
     sys.setprofile(None)

@@ -18,7 +18,6 @@ import torch
 
 from fastdp import FastDataParallel, _backend, _reducer
 from fastdp.bench import workloads as wl
-from fastdp.bench.modes import loss_of
 
 
 def cpu() -> float:
@@ -44,10 +43,10 @@ def main(name: str, rounds: int, chosen: list[str]) -> None:
         chosen_flags = designs[design]
         if chosen_flags is None:
             for c in args[0].chunk(4):
-                loss_of(model(c)).backward()
+                wl.loss_of(model(c)).backward()
             return
         _reducer.ANCHOR, _reducer.SHORTCUT, _reducer.FLAT = chosen_flags
-        loss_of(fdp(*args)).backward()
+        wl.loss_of(fdp(*args)).backward()
 
     for d in designs:
         step(d)

@@ -1,6 +1,7 @@
 """Summarise a zoo run's JUnit XML (pytest --junitxml) into summary.json and summary.txt.
 
-Usage: python summarize.py RUN.xml [RUN.xml ...] [--wall SECONDS]
+Usage: python summarize.py RUN.xml [RUN.xml ...] [--wall SECONDS]; both files are written into
+the folder of the first XML (the run's folder under ``bench/results/``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import json
 import os
 import re
 import xml.etree.ElementTree as ET
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _case(tc: ET.Element) -> dict:
@@ -48,6 +47,7 @@ def main() -> None:
     ap.add_argument("xml", nargs="+")
     ap.add_argument("--wall", type=float, default=None, help="the run's wall time in seconds")
     args = ap.parse_args()
+    here = os.path.dirname(os.path.abspath(args.xml[0]))
     cases = [_case(tc) for x in args.xml for tc in ET.parse(x).getroot().iter("testcase")]
     summary = {"wall_s": args.wall, "by_replicas": {}}
     lines = []
@@ -80,9 +80,9 @@ def main() -> None:
         lines += [f"  skip x{k}: {r}" for r, k in groups.most_common()]
     if args.wall is not None:
         lines.append(f"wall time {args.wall:.0f} s")
-    with open(os.path.join(HERE, "summary.json"), "w") as f:
+    with open(os.path.join(here, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)
-    with open(os.path.join(HERE, "summary.txt"), "w") as f:
+    with open(os.path.join(here, "summary.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -11,7 +11,7 @@ import time
 import torch
 
 import fastdp._launch as launch
-from fastdp.bench import modes
+from fastdp.bench import workloads as wl
 from fastdp.bench.suite_compile import gelu_mlp
 from fastdp.data_parallel import FastDataParallel
 
@@ -58,7 +58,7 @@ def main() -> None:
     floor_calls = [0, 0]
 
     def step() -> None:
-        modes.loss_of(fdp(x)).backward()
+        wl.loss_of(fdp(x)).backward()
 
     def floor_step() -> None:
         outs = []
@@ -66,7 +66,7 @@ def main() -> None:
             t = time.perf_counter_ns()
             outs.append(cm(c))
             floor_calls[i] += time.perf_counter_ns() - t
-        modes.loss_of(torch.cat(outs)).backward()
+        wl.loss_of(torch.cat(outs)).backward()
 
     for f in (step, floor_step):
         for _ in range(50):

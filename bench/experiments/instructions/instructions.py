@@ -17,12 +17,17 @@ from fastdp import _backend
 from fastdp.bench import modes
 from fastdp.bench import workloads as wl
 
-torch.set_num_threads(1)
-mode, steps = sys.argv[1], int(sys.argv[2])
-w = wl.catalogue("cpu")["mlp100"]
-model, args = wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
-if mode == "noext":
-    _backend.set_enabled(False)
-step = modes.train_step(fastdp.FastDataParallel(model, ["cpu"] * 4, launch="inline"), args)
-for _ in range(3 + steps):
-    step()
+
+def main(mode: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    w = wl.catalogue("cpu")["mlp100"]
+    model, args = wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
+    if mode == "noext":
+        _backend.set_enabled(False)
+    step = modes.train_step(fastdp.FastDataParallel(model, ["cpu"] * 4, launch="inline"), args)
+    for _ in range(3 + steps):
+        step()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

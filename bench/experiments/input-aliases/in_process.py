@@ -16,8 +16,6 @@ import fastdp._reducer as reducer
 import fastdp.scatter_gather as sg
 from fastdp.bench.workloads import build, catalogue
 
-ORIGINAL = (sg._own_counters, reducer._POST_HOOKS)
-
 
 def no_alias() -> None:
     sg._own_counters = lambda leaves, chunks: list(chunks)
@@ -29,6 +27,7 @@ def no_hook_scan() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    original = (sg._own_counters, reducer._POST_HOOKS)
     name = sys.argv[1] if len(sys.argv) > 1 else "mlp100"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 15
     w = catalogue("cpu")[name]
@@ -47,7 +46,7 @@ def main() -> None:
         step()
     for _ in range(rounds):
         for k, switch in variants.items():
-            sg._own_counters, reducer._POST_HOOKS = ORIGINAL
+            sg._own_counters, reducer._POST_HOOKS = original
             switch()
             for _ in range(2):
                 step()
@@ -55,7 +54,7 @@ def main() -> None:
             for _ in range(5):
                 step()
             times[k].append((time.perf_counter() - t) / 5 * 1e3)
-    sg._own_counters, reducer._POST_HOOKS = ORIGINAL
+    sg._own_counters, reducer._POST_HOOKS = original
     for k, v in times.items():
         print(f"{name} {k}: median {statistics.median(v):.3f} ms")
 

@@ -12,7 +12,6 @@ import torch
 
 from fastdp import FastDataParallel, _backend
 from fastdp.bench import workloads as wl
-from fastdp.bench.modes import loss_of
 
 
 def cpu() -> float:
@@ -29,10 +28,10 @@ def main(name: str, label: str) -> None:
 
     def floor() -> None:
         for c in args[0].chunk(4):
-            loss_of(model(c)).backward()
+            wl.loss_of(model(c)).backward()
 
     def wrapped() -> None:
-        loss_of(fdp(*args)).backward()
+        wl.loss_of(fdp(*args)).backward()
 
     for f in (floor, wrapped, floor, wrapped):
         f()
