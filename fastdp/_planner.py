@@ -308,7 +308,7 @@ class StepPlan:
     custom_split: bool = False  # devices/sizes differ from the wrapper's defaults
     verified: Any = None  # NOTE [ One signature per step ] in fastdp/data_parallel.py
     leaves: list[torch.Tensor] | None = None  # tensor leaves, narrowed to the rows replicas get
-    # (flatten's order); None: not split here (unreplicated, or a subclass's scatter seam)
+    # (flatten's order); None: not split here (unreplicated, or an overridden scatter seam)
     spec: tuple | None = None  # the tree of (inputs, kwargs) around the leaves; None: the
     # inputs are positional tensors, the leaves themselves
     dims: list[int] | None = None  # each leaf's dim, non-negative
