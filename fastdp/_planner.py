@@ -1,6 +1,7 @@
-"""The plan of a step, in one place: chunk sizes for every input leaf (DataParallel's rules),
-the batch-size rule, uneven splits (``chunk_sizes=`` / ``balance=``) and the ``StepPlan`` every
-stage reads. Scatter applies the plan (``fastdp/scatter_gather.py``).
+"""The plan of a step, in one place: the ``StepPlan`` every stage reads, made once before the
+scatter: the devices, the batch-size rule, uneven splits (``chunk_sizes=`` / ``balance=``), and
+each input leaf with its dim and chunk sizes (its *split*), which the scatter
+(``fastdp/scatter_gather.py``) executes without deciding anything again.
 
 NOTE [ DataParallel's chunking ]
 Each tensor leaf is chunked as ``torch.chunk`` chunks it (``split = ceil(size / n)``, so a leaf
@@ -22,8 +23,10 @@ run only on the others, and outputs are gathered in device order.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -33,24 +36,33 @@ import torch
 from fastdp import _tree
 from fastdp._devices import public_id
 
+OnDrop = Callable[[str], None]
+_STRIDED = torch.strided
+
 
 def chunk_sizes_for(size: int, num_devices: int) -> list[int]:
     """``torch.chunk``'s sizes for one leaf of ``size`` rows over ``num_devices``."""
     if num_devices <= 0:
-        raise ValueError(f"fastdp.plan_chunks: need at least one device, got {num_devices}")
+        raise ValueError(f"fastdp.splits_for: need at least one device, got {num_devices}")
     if size < 0:
-        raise ValueError(f"fastdp.plan_chunks: leaf size must be >= 0, got {size}")
+        raise ValueError(f"fastdp.splits_for: leaf size must be >= 0, got {size}")
     if size == 0:
         return [0] * num_devices
     split = -(-size // num_devices)
     return [min(split, size - off) for off in range(0, size, split)]
 
 
-def plan_chunks(
-    leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None = None
-) -> list[list[int]]:
-    """Chunk sizes per leaf (NOTE [ DataParallel's chunking ]): all of one length, the fewest
-    chunks any leaf has; ``dropped(leaf_sizes, plan)`` says which leaves lose rows."""
+@functools.lru_cache(maxsize=256)
+def _torch_chunk(size: int, num_devices: int) -> tuple[int, ...]:
+    """``chunk_sizes_for``, memoised (batch sizes repeat from step to step)."""
+    return tuple(chunk_sizes_for(size, num_devices))
+
+
+def _splits(
+    leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None
+) -> tuple[list[Sequence[int]], list[int]]:
+    """Each leaf's chunk sizes, all of one length, and the leaves that lose rows (NOTE
+    [ DataParallel's chunking ]): the one place the rule is written."""
     if chunk_sizes is not None:
         if len(chunk_sizes) != num_devices:
             raise ValueError(
@@ -60,21 +72,33 @@ def plan_chunks(
         for c in chunk_sizes:
             if c < 0:
                 raise ValueError(f"fastdp: chunk_sizes must be non-negative, got {c}")
-        total = sum(chunk_sizes)
-        plan = [
-            list(chunk_sizes) if s == total else chunk_sizes_for(s, num_devices) for s in leaf_sizes
-        ]
+        total, given = sum(chunk_sizes), tuple(chunk_sizes)
+        splits = [given if s == total else _torch_chunk(s, num_devices) for s in leaf_sizes]
     else:
-        plan = [chunk_sizes_for(s, num_devices) for s in leaf_sizes]
-    if plan:
-        k = min(len(p) for p in plan)
-        plan = [p if len(p) == k else p[:k] for p in plan]
-    return plan
+        splits = [_torch_chunk(s, num_devices) for s in leaf_sizes]
+    if len(splits) < 2:
+        return splits, []
+    k = min(map(len, splits))
+    lost = []
+    for i, s in enumerate(splits):
+        if len(s) != k:  # only a truncated split can lose rows (its cut chunks may be empty)
+            splits[i] = s[:k]
+            if sum(s[:k]) != leaf_sizes[i]:
+                lost.append(i)
+    return splits, lost
 
 
-def dropped(leaf_sizes: Sequence[int], plan: Sequence[Sequence[int]]) -> list[int]:
-    """Indices of the leaves whose planned chunks do not cover all their rows."""
-    return [i for i, (s, p) in enumerate(zip(leaf_sizes, plan)) if sum(p) != s]
+def splits_for(
+    leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Chunk sizes per leaf (NOTE [ DataParallel's chunking ]): all of one length, the fewest
+    chunks any leaf has; ``dropped(leaf_sizes, splits)`` says which leaves lose rows."""
+    return [list(s) for s in _splits(leaf_sizes, num_devices, chunk_sizes)[0]]
+
+
+def dropped(leaf_sizes: Sequence[int], splits: Sequence[Sequence[int]]) -> list[int]:
+    """Indices of the leaves whose chunk sizes do not cover all their rows."""
+    return [i for i, (s, p) in enumerate(zip(leaf_sizes, splits)) if sum(p) != s]
 
 
 def batch_size(obj: Any, dim: int) -> int | None:
@@ -137,7 +161,7 @@ def check_split_args(
     return None, None
 
 
-def plan_devices(
+def devices_with_rows(
     devices: Sequence[torch.device],
     batch: int | None,
     dim: int,
@@ -167,9 +191,113 @@ def plan_devices(
     return [devices[i] for i in keep], (None if batch is None else [sizes[i] for i in keep])
 
 
+def warn_dropped(message: str) -> None:
+    """The default for rows dropped as DataParallel drops them: a ``UserWarning`` at the caller
+    of ``fastdp.scatter_gather.scatter`` / ``scatter_kwargs``."""
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def flatten_inputs(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> tuple[tuple | None, list[torch.Tensor]]:
+    """The tree of ``(inputs, kwargs)`` and its tensor leaves; the tree is None where the inputs
+    are positional tensors only (no kwargs): then the leaves are the inputs."""
+    if not kwargs and inputs:
+        for x in inputs:
+            if not isinstance(x, torch.Tensor):
+                break
+        else:
+            return None, list(inputs)
+    leaves: list[torch.Tensor] = []
+    return _tree.flatten((tuple(inputs), kwargs or {}), leaves), leaves
+
+
+def split_leaves(
+    spec: tuple | None,
+    leaves: list[torch.Tensor],
+    num_devices: int,
+    dim: int,
+    chunk_sizes: Sequence[int] | None,
+    on_drop: OnDrop | None,
+    with_kwargs: bool,
+) -> tuple[list[int], list[Sequence[int]]]:
+    """Each leaf's dim and split over ``num_devices``, in one pass over the leaves; raises where
+    a leaf cannot be chunked. Leaves that lose rows are narrowed in place to the rows replicas get
+    (views: the rest get no gradient) and ``on_drop`` (default: a warning) hears which."""
+    dims, sizes = [], []
+    for i, t in enumerate(leaves):
+        n = t.dim()
+        if n == 0 or t.layout is not _STRIDED or t.is_nested:
+            raise _unsplittable(t, _names(spec, leaves, with_kwargs)[i])
+        d = dim % n if dim < 0 else dim
+        if d >= n:
+            raise IndexError(
+                f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], "
+                f"but got {dim})"
+            )
+        dims.append(d)
+        sizes.append(t.shape[d])
+    if chunk_sizes is None and len(sizes) == 1:  # the commonest input: one batch tensor
+        return dims, [_torch_chunk(sizes[0], num_devices)]
+    splits, lost = _splits(sizes, num_devices, chunk_sizes)
+    if lost:
+        for i in lost:
+            leaves[i] = leaves[i].narrow(dims[i], 0, sum(splits[i]))
+        (on_drop or warn_dropped)(_drop_message(spec, leaves, sizes, splits, lost, with_kwargs))
+    return dims, splits
+
+
+def _unsplittable(t: torch.Tensor, path: str) -> Exception:
+    """The error for a leaf that cannot be chunked: not strided (TypeError), else 0-dim."""
+    if t.layout is _STRIDED and not t.is_nested:
+        return RuntimeError("chunk expects at least a 1-dimensional tensor")
+    kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
+    return TypeError(
+        f"fastdp: input {path} is {kind}, which cannot be chunked along the batch dim for the "
+        "replicas (nn.DataParallel cannot either). Pass it dense (.to_dense(), or padded "
+        "with torch.nested.to_padded_tensor), or inside an object that is not a tensor, "
+        "list, tuple or dict so that every replica receives it whole."
+    )
+
+
+def _names(spec: tuple | None, leaves: list[torch.Tensor], with_kwargs: bool) -> list[str]:
+    """Each leaf's readable path: ``inputs[0]``, ``kwargs['num_items']`` (with ``with_kwargs``
+    the tree is of an ``(inputs, kwargs)`` pair; None: positional tensors)."""
+    out: dict[int, str] = {}
+    if spec is None:
+        out = {i: f"inputs[{i}]" for i in range(len(leaves))}
+    elif with_kwargs:
+        _tree.paths(spec[2][0], "inputs", out)
+        _tree.paths(spec[2][1], "kwargs", out)
+    else:
+        _tree.paths(spec, "inputs", out)
+    return [out.get(i, f"tensor {i}") for i in range(len(leaves))]
+
+
+def _drop_message(
+    spec: tuple | None,
+    leaves: list[torch.Tensor],
+    sizes: list[int],
+    splits: list[Sequence[int]],
+    lost: list[int],
+    with_kwargs: bool,
+) -> str:
+    names = _names(spec, leaves, with_kwargs)
+    what = ", ".join(f"{names[i]} ({sizes[i]} rows, {sum(splits[i])} used)" for i in lost)
+    return (
+        f"fastdp: input tensors split into different numbers of chunks; as nn.DataParallel "
+        f"does, {len(splits[0])} replica(s) run (the fewest chunks of any tensor) and the "
+        f"extra rows of {what} are dropped. Pass strict_chunks=True to make this an error."
+    )
+
+
 @dataclass(slots=True)
 class StepPlan:
-    """One forward's decisions, made once before the scatter and read by every stage after it."""
+    """One forward's decisions, made once before the scatter and read by every stage after it.
+
+    The scatter executes the leaf fields as they are: replica ``r`` gets chunk ``r`` of every
+    leaf (``splits[i][r]`` rows along ``dims[i]``) on ``devices[r]``, rebuilt into ``spec``.
+    """
 
     compile_ctx: Any  # the torch.compile context replicas run under (None: eager)
     devices: list[torch.device]  # the devices that get rows, in replica order
@@ -179,6 +307,13 @@ class StepPlan:
     unreplicated: bool = False  # the module runs itself: no accelerator, or one CPU device
     custom_split: bool = False  # devices/sizes differ from the wrapper's defaults
     verified: Any = None  # NOTE [ One signature per step ] in fastdp/data_parallel.py
+    leaves: list[torch.Tensor] | None = None  # tensor leaves, narrowed to the rows replicas get
+    # (flatten's order); None: not split here (unreplicated, or an overridden scatter seam)
+    spec: tuple | None = None  # the tree of (inputs, kwargs) around the leaves; None: the
+    # inputs are positional tensors, the leaves themselves
+    dims: list[int] | None = None  # each leaf's dim, non-negative
+    splits: list[Sequence[int]] | None = None  # splits[i][r]: rows of leaf i for replica r;
+    # one length for all leaves, the number of replicas (NOTE [ DataParallel's chunking ])
 
     def chunk_rows(self, n: int) -> list[int] | None:
         """Batch rows of the first ``n`` replicas (None when no tensor input fixed them)."""
@@ -188,20 +323,34 @@ class StepPlan:
 
 
 def make_plan(
-    wrapper: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any, verified: Any = None
+    wrapper: Any,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ctx: Any,
+    verified: Any = None,
+    split: bool = True,
+    on_drop: OnDrop | None = None,
 ) -> StepPlan:
-    """The plan of one ``FastDataParallel`` forward: devices, chunk sizes, context."""
+    """The plan of one ``FastDataParallel`` forward: devices, chunk sizes, context and, with
+    ``split`` (the wrapper's own scatter seam runs), each leaf's split (``on_drop``: told of
+    rows dropped, NOTE [ DataParallel's chunking ])."""
     devices: list[torch.device] = wrapper._devices if wrapper.device_ids else []
+    unreplicated = not devices or (len(devices) == 1 and devices[0].type == "cpu")
     sizes, used, batch = None, devices, None
     if (
         wrapper.chunk_sizes is not None or wrapper.balance is not None or not wrapper.gather_output
     ):  # [beyond DP] the devices that get rows, and how many
         batch = batch_size((inputs, kwargs), wrapper.dim)
         if devices:
-            used, sizes = plan_devices(
+            used, sizes = devices_with_rows(
                 devices, batch, wrapper.dim, wrapper.chunk_sizes, wrapper.balance
             )
     custom_split = sizes is not None or len(used) != len(devices)
     ids = [public_id(d) for d in used] if custom_split else wrapper.device_ids
-    unreplicated = not devices or (len(devices) == 1 and devices[0].type == "cpu")
-    return StepPlan(ctx, used, ids, sizes, batch, unreplicated, custom_split, verified)
+    if not split or unreplicated:
+        return StepPlan(ctx, used, ids, sizes, batch, unreplicated, custom_split, verified)
+    spec, leaves = flatten_inputs(inputs, kwargs)
+    dims, splits = split_leaves(spec, leaves, len(used), wrapper.dim, sizes, on_drop, True)
+    return StepPlan(
+        ctx, used, ids, sizes, batch, False, custom_split, verified, leaves, spec, dims, splits
+    )

@@ -21,7 +21,7 @@ from torch.nn.parallel import comm as _tcomm
 
 from fastdp import _backend, _buckets
 from fastdp._devices import as_device
-from fastdp._planner import plan_chunks
+from fastdp._planner import splits_for
 from fastdp._reducer import reduce_add
 
 __all__ = [
@@ -181,7 +181,7 @@ def reduce_add_coalesced(
 # A chunk bound for the device its source is on is a view of the source, as in torch's
 # comm.scatter (whose .to() returns the chunk itself). When every chunk of a ``scatter`` without
 # chunk_sizes stays, it returns ``tensor.chunk``'s views before any planning or extension call
-# (``torch.chunk`` gives ``plan_chunks``'s sizes): no byte moves, the cost is torch's own. Other
+# (``torch.chunk`` gives ``splits_for``'s sizes): no byte moves, the cost is torch's own. Other
 # same-device chunks are views too, made by the extension's one call for all leaves.
 
 
@@ -227,9 +227,9 @@ def scatter(
             f"len(devices) = {len(devs)} and len(chunk_sizes) = {len(chunk_sizes)}"
         )
     if chunk_sizes is None:
-        sizes = plan_chunks([tensor.size(dim)], len(devs))[0]
+        sizes = splits_for([tensor.size(dim)], len(devs))[0]
     else:
-        sizes = plan_chunks([tensor.size(dim)], len(devs), list(chunk_sizes))[0]
+        sizes = splits_for([tensor.size(dim)], len(devs), list(chunk_sizes))[0]
     rows = scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])
     return tuple(row[0] for row in rows[: len(sizes)])
 

@@ -38,7 +38,7 @@ from fastdp._state_dict import load_wrapped_state_dict
 from fastdp._workers import WorkerPool
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
-from fastdp.scatter_gather import Scattered, gather, scatter_kwargs
+from fastdp.scatter_gather import Scattered, gather, scatter_kwargs, scatter_planned
 from fastdp.sync_batchnorm import prepare_replicas
 
 __all__ = ["FastDataParallel", "data_parallel"]
@@ -207,8 +207,7 @@ class FastDataParallel(DataParallel):
             plan = self._plan(inputs, kwargs, ctx)
             if plan.unreplicated:
                 return self._direct(self._module_for(ctx)(*inputs, **kwargs), plan)
-            split = {} if plan.sizes is None else {"chunk_sizes": plan.sizes}
-            inputs, module_kwargs = self.scatter(inputs, kwargs, plan.ids, **split)
+            inputs, module_kwargs = self._scatter_step(plan, inputs, kwargs)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
@@ -244,7 +243,19 @@ class FastDataParallel(DataParallel):
 
     def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> StepPlan:
         verified = self._check_device_cached() if self.device_ids else None
-        return make_plan(self, inputs, kwargs, ctx, verified)
+        # the plan splits the inputs where the scatter seam is ours (no subclass's, no instance's)
+        own = type(self).scatter is FastDataParallel.scatter and "scatter" not in self.__dict__
+        return make_plan(self, inputs, kwargs, ctx, verified, own, self._rows_dropped)
+
+    def _scatter_step(
+        self, plan: StepPlan, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+        if plan.leaves is not None:  # the wrapper's own seam: the plan executed as it is
+            return scatter_planned(
+                plan.spec, plan.leaves, plan.dims, plan.splits, plan.devices, inputs, kwargs
+            )
+        split = {} if plan.sizes is None else {"chunk_sizes": plan.sizes}
+        return self.scatter(inputs, kwargs, plan.ids, **split)  # an overridden seam splits
 
     def _replicate_step(self, plan: StepPlan, n: int) -> list[Module]:
         ids = plan.ids if len(plan.ids) == n else plan.ids[:n]
@@ -454,7 +465,7 @@ class FastDataParallel(DataParallel):
             )
         if not self._drop_warned:
             self._drop_warned = True
-            warnings.warn(message, UserWarning, stacklevel=7)
+            warnings.warn(message, UserWarning, stacklevel=6)
 
     def parallel_apply(
         self,

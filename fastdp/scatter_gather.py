@@ -5,7 +5,7 @@ Containers follow DataParallel: tensors are chunked along ``dim``; non-empty tup
 passed by reference to every replica. Leaves that split into more chunks than others lose their
 extra chunks, as DataParallel's ``zip`` drops them (NOTE [ DataParallel's chunking ] in
 ``fastdp/_planner.py``). Differences: tensor leaves of positional *and* keyword inputs are
-planned together (DataParallel gives replicas without their positional inputs when kwargs hold
+split together (DataParallel gives replicas without their positional inputs when kwargs hold
 non-tensors and the batch is small: pytorch #31460, #52260); dataclass outputs are gathered
 field-wise, and other objects as DataParallel gathers them where it can (NOTE [ Gathering other
 objects ]), else as a per-replica list.
@@ -13,9 +13,8 @@ objects ]), else as a per-replica list.
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,105 +22,9 @@ import torch
 from fastdp import _tree, comm
 from fastdp._devices import as_device
 from fastdp._functions import Gather, Scatter, vector_if_scalars
-from fastdp._planner import chunk_sizes_for, dropped, plan_chunks
+from fastdp._planner import OnDrop, flatten_inputs, split_leaves
 
 __all__ = ["scatter", "scatter_kwargs", "gather", "Scattered"]
-
-
-def scatter_plan(
-    obj: Any,
-    devices: Sequence[torch.device],
-    dim: int = 0,
-    chunk_sizes: Sequence[int] | None = None,
-    on_drop: OnDrop | None = None,
-    with_kwargs: bool = False,
-) -> tuple[tuple, list[torch.Tensor], list[int], list[list[int]]]:
-    """Flatten ``obj`` once and plan its chunks: (spec, leaves, per-leaf dims, plan). Leaves
-    that lose rows are narrowed to the rows that go to replicas, and ``on_drop`` (default: a
-    warning) hears which (NOTE [ DataParallel's chunking ])."""
-    leaves: list[torch.Tensor] = []
-    spec = _tree.flatten(obj, leaves)
-    dims = []
-    for i, t in enumerate(leaves):
-        if t.layout != torch.strided or t.is_nested:
-            raise TypeError(_unsplittable(t, leaf_paths(spec, with_kwargs).get(i, f"tensor {i}")))
-        if t.dim() == 0:
-            raise RuntimeError("chunk expects at least a 1-dimensional tensor")
-        dims.append(dim % t.dim() if dim < 0 else dim)
-        if dims[-1] >= t.dim():
-            raise IndexError(
-                f"Dimension out of range (expected to be in range of [{-t.dim()}, {t.dim() - 1}], "
-                f"but got {dim})"
-            )
-    plan = _plan_rows(leaves, dims, len(devices), chunk_sizes, on_drop, spec, with_kwargs)
-    return spec, leaves, dims, plan
-
-
-OnDrop = Callable[[str], None]
-
-
-def _unsplittable(t: torch.Tensor, path: str) -> str:
-    kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
-    return (
-        f"fastdp: input {path} is {kind}, which cannot be chunked along the batch dim for the "
-        "replicas (nn.DataParallel cannot either). Pass it dense (.to_dense(), or padded "
-        "with torch.nested.to_padded_tensor), or inside an object that is not a tensor, "
-        "list, tuple or dict so that every replica receives it whole."
-    )
-
-
-def warn_dropped(message: str) -> None:
-    """The default for rows dropped as DataParallel drops them: a ``UserWarning``."""
-    warnings.warn(message, UserWarning, stacklevel=5)
-
-
-def _plan_rows(
-    leaves: list[torch.Tensor],
-    dims: list[int],
-    n: int,
-    chunk_sizes: Sequence[int] | None,
-    on_drop: OnDrop | None,
-    spec: tuple | None = None,
-    with_kwargs: bool = False,
-) -> list[list[int]]:
-    """DataParallel's truncation, the one place it is written: the plan of ``leaves`` over ``n``
-    devices; leaves that lose rows are narrowed in place to the rows that go to replicas (views:
-    the rest get no gradient) and ``on_drop`` (default: a warning) hears which. ``spec``: the
-    leaves' tree, for the message (None: positional tensors)."""
-    sizes = [t.size(d) for t, d in zip(leaves, dims)]
-    plan = plan_chunks(sizes, n, chunk_sizes)
-    lost = dropped(sizes, plan)
-    if lost:
-        for i in lost:
-            leaves[i] = leaves[i].narrow(dims[i], 0, sum(plan[i]))
-        if spec is None:
-            spec = ("tuple", tuple, tuple(("tensor", i) for i in range(len(leaves))))
-        (on_drop or warn_dropped)(_drop_message(spec, sizes, plan, lost, with_kwargs))
-    return plan
-
-
-def leaf_paths(spec: tuple, with_kwargs: bool) -> dict[int, str]:
-    """Leaf index -> a readable path: ``inputs[0]``; with ``with_kwargs`` the spec is of an
-    ``(inputs, kwargs)`` pair and its leaves read ``inputs[0]``, ``kwargs['num_items']``."""
-    out: dict[int, str] = {}
-    if with_kwargs:
-        _tree.paths(spec[2][0], "inputs", out)
-        return _tree.paths(spec[2][1], "kwargs", out)
-    return _tree.paths(spec, "inputs", out)
-
-
-def _drop_message(
-    spec: tuple, sizes: list[int], plan: list[list[int]], lost: list[int], with_kwargs: bool = False
-) -> str:
-    names = leaf_paths(spec, with_kwargs)
-    what = ", ".join(
-        f"{names.get(i, f'tensor {i}')} ({sizes[i]} rows, {sum(plan[i])} used)" for i in lost
-    )
-    return (
-        f"fastdp: input tensors split into different numbers of chunks; as nn.DataParallel "
-        f"does, {len(plan[0])} replica(s) run (the fewest chunks of any tensor) and the "
-        f"extra rows of {what} are dropped. Pass strict_chunks=True to make this an error."
-    )
 
 
 # NOTE [ Same-device scatter and gather ]
@@ -145,32 +48,6 @@ def _one_device(tensors: Sequence[Any], devices: Sequence[torch.device]) -> bool
         ):
             return False
     return True
-
-
-def _split_tensors(
-    inputs: tuple,
-    devices: Sequence[torch.device],
-    dim: int,
-    chunk_sizes: Sequence[int] | None,
-    on_drop: OnDrop | None,
-) -> Any:
-    """``scatter_kwargs`` of positional tensors (no kwargs) on the replicas' one device; None
-    where a leaf needs the general path's error (0-dim, ``dim`` out of range)."""
-    dims = []
-    for t in inputs:
-        n = t.dim()
-        d = dim + n if dim < 0 else dim
-        if not 0 <= d < n:
-            return None
-        dims.append(d)
-    if chunk_sizes is None and len(inputs) == 1:  # the commonest call: one batch tensor
-        plan = [_chunk_sizes(inputs[0].size(d), len(devices))]
-    else:
-        inputs = list(inputs)
-        plan = _plan_rows(inputs, dims, len(devices), chunk_sizes, on_drop)
-    flat, n = comm.split_own_versions(inputs, plan, dims), len(inputs)
-    per_replica = tuple(tuple(flat[r * n : (r + 1) * n]) for r in range(len(plan[0])))
-    return per_replica, ({},) * len(plan[0])
 
 
 # NOTE [ Input chunks written in place ]
@@ -208,22 +85,48 @@ def _own_counters(
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _chunk_sizes(size: int, n: int) -> tuple[int, ...]:
-    """``torch.chunk``'s sizes (the planner's, for one leaf), memoised: batch sizes repeat."""
-    return tuple(chunk_sizes_for(size, n))
-
-
-def _scatter_flat(
-    devices: list[torch.device], plan: list[list[int]], dims: list[int], leaves: list[torch.Tensor]
+def _chunks(
+    leaves: list[torch.Tensor],
+    splits: list[Sequence[int]],
+    dims: list[int],
+    devices: Sequence[torch.device],
 ) -> Sequence[torch.Tensor]:
     """Replica-major chunks: ``flat[r * len(leaves) + i]`` is chunk ``r`` of leaf ``i``."""
-    if not _one_device(leaves, devices):
-        flat = Scatter.apply(devices, plan, dims, *leaves)
-        n = len(leaves)
-        chunks = _own_counters(leaves, [flat[i::n] for i in range(n)])
-        return [c[r] for r in range(len(devices)) for c in chunks]
-    return comm.split_own_versions(leaves, plan, dims)
+    n, L = len(splits[0]), len(leaves)
+    if len(devices) != n:
+        devices = devices[:n]
+    if _one_device(leaves, devices):  # NOTE [ Same-device scatter and gather ]
+        return comm.split_own_versions(leaves, splits, dims)
+    flat = Scatter.apply(list(devices), splits, dims, *leaves)
+    chunks = _own_counters(leaves, [flat[i::L] for i in range(L)])
+    return [c[r] for r in range(n) for c in chunks]
+
+
+def scatter_planned(
+    spec: tuple | None,
+    leaves: list[torch.Tensor],
+    dims: list[int],
+    splits: list[Sequence[int]],
+    devices: Sequence[torch.device],
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+    """``scatter_kwargs`` of ``inputs``/``kwargs`` as planned (``StepPlan``'s fields of the same
+    names): each replica's inputs and kwargs, the leaves split as ``splits`` says and rebuilt
+    into ``spec`` (None: positional tensors); without leaves, the inputs by reference. It decides
+    nothing again but how the chunks are made (views or copies)."""
+    if not leaves:
+        n = len(devices) if (inputs or kwargs) else 0
+        kwargs = kwargs or {}
+        return tuple(tuple(inputs) for _ in range(n)), tuple(dict(kwargs) for _ in range(n))
+    parts = tuple(zip(*[iter(_chunks(leaves, splits, dims, devices))] * len(leaves)))
+    if spec is None:  # replica r's part: its chunk of every leaf, in order
+        return parts, ({},) * len(parts)
+    spec_in, spec_kw = spec[2]
+    return (
+        tuple(_tree.build(spec_in, p) for p in parts),
+        tuple(_tree.build(spec_kw, p) for p in parts),
+    )
 
 
 def scatter_kwargs(
@@ -240,35 +143,22 @@ def scatter_kwargs(
     any tensor leaf (the others' extra rows dropped, ``on_drop`` told: NOTE [ DataParallel's
     chunking ]), or ``len(target_devices)`` without tensor leaves (inputs passed by reference).
     """
-    if not kwargs and inputs and _one_device(inputs, target_devices):
-        fast = _split_tensors(inputs, target_devices, dim, chunk_sizes, on_drop)
-        if fast is not None:
-            return fast
-    kwargs = kwargs or {}
-    spec, leaves, dims, plan = scatter_plan(
-        (tuple(inputs), kwargs), target_devices, dim, chunk_sizes, on_drop, with_kwargs=True
-    )
-    if not leaves:
-        n = len(target_devices) if (inputs or kwargs) else 0
-        return tuple(tuple(inputs) for _ in range(n)), tuple(dict(kwargs) for _ in range(n))
-    n = len(plan[0])
-    flat = _scatter_flat(list(target_devices[:n]), plan, dims, leaves)
-    L = len(leaves)
-    outs = [_tree.build(spec, flat[r * L : (r + 1) * L]) for r in range(n)]
-    return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
+    spec, leaves = flatten_inputs(inputs, kwargs)
+    dims, splits = split_leaves(spec, leaves, len(target_devices), dim, chunk_sizes, on_drop, True)
+    return scatter_planned(spec, leaves, dims, splits, target_devices, inputs, kwargs)
 
 
 def scatter(
     inputs: Any, target_devices: Sequence[torch.device], dim: int = 0, on_drop: OnDrop | None = None
 ) -> list[Any]:
     """DataParallel's ``scatter``: one entry per chunk (tuple for a tensor input, else a list)."""
-    spec, leaves, dims, plan = scatter_plan(inputs, target_devices, dim, None, on_drop)
+    leaves: list[torch.Tensor] = []
+    spec = _tree.flatten(inputs, leaves)
+    dims, splits = split_leaves(spec, leaves, len(target_devices), dim, None, on_drop, False)
     if not leaves:
         return [inputs for _ in target_devices]
-    n = len(plan[0])
-    flat = _scatter_flat(list(target_devices[:n]), plan, dims, leaves)
-    L = len(leaves)
-    res = [_tree.build(spec, flat[r * L : (r + 1) * L]) for r in range(n)]
+    parts = zip(*[iter(_chunks(leaves, splits, dims, target_devices))] * len(leaves))
+    res = [_tree.build(spec, p) for p in parts]
     return tuple(res) if isinstance(inputs, torch.Tensor) else res
 
 

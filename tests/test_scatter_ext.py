@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from fastdp._planner import plan_chunks
+from fastdp._planner import splits_for
 from fastdp.testing import DTYPES
 
 try:
@@ -61,7 +61,7 @@ LAYOUTS = {
 
 
 def plan_for(leaves, n, dim):
-    return plan_chunks([t.size(dim) for t in leaves], n, None)
+    return splits_for([t.size(dim) for t in leaves], n, None)
 
 
 def reference(leaves, plan, dim, devices):
@@ -138,7 +138,7 @@ def test_scatter_cpu_fewer_chunks_than_devices():
 
 def test_scatter_cpu_explicit_chunk_sizes_with_zero():
     leaf = make((5, 2), torch.float32)
-    plan = plan_chunks([5], 3, [2, 0, 3])
+    plan = splits_for([5], 3, [2, 0, 3])
     got = _C.scatter_chunks([leaf], plan, 0, [torch.device("cpu")] * 3)
     assert_same(got, reference([leaf], plan, 0, [torch.device("cpu")] * 3))
 
