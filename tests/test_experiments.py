@@ -74,6 +74,8 @@ RUNS = [
     ("instructions/instructions.py", ("noext", "1")),
     ("noext-checks/ratio.py", ("mlp10",)),
     ("noext-in-process/in_process.py", ("mlp10",)),
+    ("plan-once/count.py", ()),
+    ("plan-once/timing.py", ("1",)),
 ]
 
 
