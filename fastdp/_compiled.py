@@ -94,7 +94,7 @@ def compile_root(r: Module, ctx: Any) -> Module:
 
 # NOTE [ Compiled replicas run in order ]
 # A replica set running compiled code on two or more replicas runs them in turn on the caller's
-# thread every step, whatever ``launch`` says (``ReplicaSet.in_order``, the inline strategy):
+# thread every step, whatever ``launch`` says (``Order.IN_TURN`` in _launch.py: inline):
 # dynamo's cache lookup and guard evaluation are not thread-safe (pytorch #118260, #123177; on
 # threads, guards failed at random). Replicas compile in turn and reuse entries on one device;
 # kernels stay asynchronous, so distinct GPUs still overlap, but CPU replicas no longer do.

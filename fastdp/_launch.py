@@ -1,6 +1,7 @@
 """The launch: how a step's replicas run. One class per strategy, ``make(name)`` picks one, and
-the one rule that overrides them all (NOTE [ Replicas that must run at once ]); the replica
-runners they call are ``fastdp/_runners.py``, the wrapper's worker threads ``fastdp/_workers.py``.
+``launch``, the one function that decides a launch from its arguments (the strategy asked for, the
+rules that override it: NOTE [ Replicas that must run at once ]); the replica runners the
+strategies call are ``fastdp/_runners.py``, the wrapper's worker threads ``fastdp/_workers.py``.
 
 Adding a strategy is one ``Strategy`` subclass and one entry in ``_STRATEGIES``.
 
@@ -18,6 +19,7 @@ that meet inside forward always run on threads (NOTE [ Replicas that must run at
 
 from __future__ import annotations
 
+import enum
 import os
 import statistics
 import time
@@ -29,7 +31,15 @@ import torch
 from torch.nn import Module
 
 from fastdp import _tree
-from fastdp._runners import capture_state, run_in_turn, run_on_threads, run_replica
+from fastdp._compiled import backward_with_forward
+from fastdp._runners import (
+    capture_state,
+    raise_first_error,
+    run_in_turn,
+    run_on_threads,
+    run_replica,
+    wait_for_stragglers,
+)
 from fastdp._workers import WorkerPool
 
 __all__ = [
@@ -43,9 +53,8 @@ __all__ = [
     "make",
     "resolve_launch",
     "input_key",
-    "run_together",
-    "must_run_together",
-    "for_replicas",
+    "Order",
+    "launch",
 ]
 
 
@@ -267,32 +276,85 @@ def make(launch: str | None) -> Strategy:
     return _STRATEGIES[resolve_launch(launch)]()
 
 
+class Order(enum.Enum):
+    """What a replica set requires of every launch, whatever the strategy (chosen once per set)."""
+
+    ANY = "any"  # as the strategy says
+    # they meet during forward once ``prepare_replicas`` armed them: then one thread each
+    # (``launch``'s ``together``; NOTE [ Replicas that must run at once ])
+    TOGETHER = "together"
+    # compiled code on several replicas: in turn, inline (NOTE [ Compiled replicas run in order ])
+    IN_TURN = "in_turn"
+    # in turn, each backward compiled with its forward (NOTE [ Backward compiled with the forward ])
+    IN_TURN_COMPILING_BACKWARD = "in_turn_compiling_backward"
+
+
 # NOTE [ Replicas that must run at once ]
 # The one rule that overrides every launch strategy: replicas that meet each other during their
 # forward (fastdp's SyncBatchNorm rendezvous; modules with ``__data_parallel_replicate__``
 # callbacks, whose copies talk through queues, as Synchronized-BatchNorm's SyncMaster) would wait
-# forever for a replica that has not started if run in turn. ``prepare_replicas`` marks such
-# replicas (``run_together``) for the duration of its ``with`` block; the mark is on the replicas
-# themselves (the first one's ``__dict__``, not a submodule or state), and marked replicas always
-# run on threads. Compiled replica sets run in order instead (``ReplicaSet.in_order``).
-_TOGETHER = "_fastdp_run_together"
+# forever for a replica that has not started if run in turn, so ``launch(..., together=True)``
+# runs them on threads. The callers learn it from the replicas (``replicas_meet`` in
+# ``fastdp/sync_batchnorm.py``: armed by ``prepare_replicas``). Compiled replica sets run in turn
+# instead (``Order.IN_TURN``); a set whose replicas meet never does.
+def launch(
+    modules: Sequence[Module],
+    inputs: Sequence[Any],
+    kwargs: Sequence[dict[str, Any]] | None,
+    devices: Sequence[torch.device],
+    strategy: Strategy | None = None,
+    *,
+    name: str | None = None,
+    pool: WorkerPool | None = None,
+    together: bool = False,
+    order: Order = Order.ANY,
+    record: dict[str, str | None] | None = None,
+) -> list[Any]:
+    """Run ``modules[i](*inputs[i], **kwargs[i])`` on ``devices[i]``: the whole launch decision.
 
-
-def run_together(modules: Sequence[Module], on: bool = True) -> None:
-    """Mark (or unmark) ``modules`` as replicas that must run at once (one thread each)."""
-    if modules:
-        if on:
-            modules[0].__dict__[_TOGETHER] = True
+    ``strategy``: the caller's (a wrapper's, where ``auto`` keeps its measurements); None makes
+    one from ``name`` (``make``). ``name``: a strategy named for this call that overrides
+    ``strategy``. ``pool``: the wrapper's persistent workers; None for a one-off call (``auto``
+    then means threads; threads of an interrupted one-off call are waited for first).
+    ``together``: the replicas are armed to meet during forward (``replicas_meet``): threads,
+    whatever was asked; ``order``: what their replica set requires (``ReplicaSet.launch_order``).
+    ``record["launch"]`` gets the strategy that ran, also when interrupted. The first replica
+    error is raised (``raise_first_error``).
+    """
+    n = len(modules)
+    _check_lengths("inputs", n, len(inputs))
+    if kwargs is None:
+        kwargs = ({},) * n
+    else:
+        _check_lengths("kwargs_tup", n, len(kwargs))
+    _check_lengths("devices", n, len(devices))
+    if name is not None and (strategy is None or name != strategy.name):
+        strategy = FIXED.get(name) or make(name)
+    elif strategy is None:
+        strategy = make(None)
+    compiling_backward = False
+    if together:  # NOTE [ Replicas that must run at once ]
+        strategy = THREADS
+    elif order is Order.IN_TURN or order is Order.IN_TURN_COMPILING_BACKWARD:
+        strategy = INLINE
+        compiling_backward = order is Order.IN_TURN_COMPILING_BACKWARD
+    if pool is None:
+        wait_for_stragglers()
+    try:
+        if compiling_backward:
+            with backward_with_forward():
+                results = strategy.run(modules, inputs, kwargs, devices, pool)
         else:
-            modules[0].__dict__.pop(_TOGETHER, None)
+            results = strategy.run(modules, inputs, kwargs, devices, pool)
+    finally:  # also when interrupted: what ran is what the next step must wait for
+        if record is not None:
+            record["launch"] = strategy.ran()
+    raise_first_error(results)
+    return results
 
 
-def must_run_together(modules: Sequence[Module]) -> bool:
-    """Whether ``modules`` were marked by ``run_together`` (NOTE [ Replicas that must run at
-    once ])."""
-    return bool(modules) and _TOGETHER in modules[0].__dict__
-
-
-def for_replicas(strategy: Strategy, modules: Sequence[Module]) -> Strategy:
-    """``strategy``, or threads where ``modules`` must run together."""
-    return THREADS if must_run_together(modules) else strategy
+def _check_lengths(what: str, n_modules: int, n: int) -> None:
+    if n != n_modules:
+        raise AssertionError(
+            f"The number of modules {n_modules} is not equal to the number of {what} {n}"
+        )

@@ -457,9 +457,13 @@ class Reducer:
     each reduce node serves, the nodes (made once per tensor set with the extension, every step
     without: NOTE [ Early reduction ]), whether the last step's graph still needs them,
     unreached buckets (NOTE [ Unreached buckets ]) and the leaves of NOTE [ no_sync ].
-    Communication is the transports' (NOTE [ Transports ] in ``fastdp/_transports.py``). The
-    replica set owns the replica tensors and calls ``link`` when they are new, ``arm`` once a
-    step and ``graph_alive`` before it overwrites them."""
+    Communication is the transports' (NOTE [ Transports ] in ``fastdp/_transports.py``).
+
+    Its one caller is the replica set, which owns the replica tensors: ``start_step`` and
+    ``arm`` once a step, ``link`` when its tensors are new, ``graph_alive`` before it overwrites
+    them; under ``no_sync`` ``start_cycle``, ``new_leaves``, ``drop_if_zeroed``, ``watch``,
+    ``leaves``, and for the wrapper's fold and ``zero_grad``, ``take_pending`` and
+    ``drop_pending``. Every field is private; ``leaves`` and ``graph_alive`` are queries."""
 
     def __init__(
         self,
@@ -469,77 +473,91 @@ class Reducer:
         stats: dict[str, int] | None,
         native: bool,
     ) -> None:
-        self.sources, self.dest, self.stats, self.native = sources, dest, stats, native
-        self.buckets = buckets
-        per_bucket = [[sources[i] for i in b] for b in self.buckets]
-        self.group = BucketGroup(per_bucket)
-        self.bucket_sources = [(s, sum(map(tensor_bytes, s))) for s in per_bucket]  # and bytes
-        self.pending = Pending(False)
-        self.probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
-        self.nodes: list[Any] = []  # the bucket nodes
-        self.early = True  # NOTE [ Late reduction ]
+        self._sources = sources  # the originals the replicas' gradients are summed into
+        self._dest = dest  # the originals' device: where every sum lands
+        self._stats = stats  # the wrapper's comm_stats() counters, or None
+        self._native = native  # the extension's C++ nodes, made once per tensor set
+        self._buckets = buckets  # per bucket, its sources' indices (NOTE [ Buckets ])
+        per_bucket = [[sources[i] for i in b] for b in buckets]
+        self._group = BucketGroup(per_bucket)  # which buckets ran in this backward
+        self._bucket_sources = [(s, sum(map(tensor_bytes, s))) for s in per_bucket]  # and bytes
+        self._pending = Pending(False)  # whether the last step's graph awaits its backward
+        self._probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
+        self._nodes: list[Any] = []  # the bucket nodes (their turn: _set_turns)
+        self._early = True  # the nodes' turn: NOTE [ Early reduction ] or NOTE [ Late reduction ]
         self._rows: tuple = (None, [])  # (tensors, per bucket its rows of them)
-        self.leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]
-        self.retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
-        self.probe = Probe()  # a micro-step's backward has not run yet
-        self.probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
-        self.probe_at = 0  # where in a row to look for the probe leaf: see watch()
-        self.marks: tuple = ()
+        self._leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]; None outside
+        self._retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
+        self._probe = Probe()  # a micro-step's backward has not run yet
+        self._probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
+        self._probe_at = 0  # where in a row to look for the probe leaf: see watch()
+        self._marks: tuple = ()  # grad_marks() of the sources when the cycle started
+
+    def leaves(self) -> list[list[torch.Tensor]] | None:
+        """The replicas' leaves of this ``no_sync`` cycle (per replica, one per source), None
+        outside one. A query: the replica set points its slots at them."""
+        return self._leaves
 
     def start_step(self) -> None:
-        g = self.group
+        """A forward starts (the set's ``refresh``): the last backward's bookkeeping of which
+        buckets ran is dropped."""
+        g = self._group
         if g.ran or g.queued or g.task is not None:  # the last backward's bookkeeping
             g.reset()
 
     def link(self, tensors: list[list[torch.Tensor]], pending: Pending | None = None) -> None:
         """One reduce node per bucket (grad mode on), whose outputs are ``tensors`` (per replica,
         one per source) themselves."""
-        self.pending = Pending(False) if pending is None else pending
-        self.probes = []
+        self._pending = Pending(False) if pending is None else pending
+        self._probes = []
         if self._rows[0] is not tensors:  # per tensor set, not per step
             self._rows = (
                 tensors,
-                [[[row[i] for i in b] for row in tensors] for b in self.buckets],
+                [[[row[i] for i in b] for row in tensors] for b in self._buckets],
             )
-        self.nodes = []
+        self._nodes = []
         with torch.enable_grad(), torch.inference_mode(False):
             anchor = None
-            if not self.native and len(self.buckets) > 1:  # NOTE [ Unreached buckets ]
-                anchor = UnreachedAnchor.apply(self.group, *self.group.flat)
-            for b, (rows, (sources, size)) in enumerate(zip(self._rows[1], self.bucket_sources)):
+            if not self._native and len(self._buckets) > 1:  # NOTE [ Unreached buckets ]
+                anchor = UnreachedAnchor.apply(self._group, *self._group.flat)
+            pairs = zip(self._rows[1], self._bucket_sources)
+            for b, (rows, (sources, size)) in enumerate(pairs):
+                link = BucketLink(
+                    b, sources, self._dest, self._stats, self._pending, self._group, size
+                )
                 node = link_bucket(
-                    BucketLink(b, sources, self.dest, self.stats, self.pending, self.group, size),
+                    link,
                     rows,
                     sources,
-                    native=self.native,
+                    native=self._native,
                     anchor=anchor,
                 )
                 if node is not None:
-                    self.nodes.append(node)
+                    self._nodes.append(node)
         self._set_turns()
         ext = _backend.ext()
-        if self.native and ext is not None:
-            for bucket in self.buckets:
+        if self._native and ext is not None:
+            for bucket in self._buckets:
                 probe = next(
                     (tensors[0][i] for i in bucket if tensors[0][i].grad_fn is not None), None
                 )
                 if probe is not None:
-                    self.probes.append((probe, ext.grad_fn_use_count(probe)))
+                    self._probes.append((probe, ext.grad_fn_use_count(probe)))
 
     def arm(self, tensors: list[list[torch.Tensor]], grad: bool) -> None:
         """This step's forward runs on ``tensors`` and its backward reduces (``grad``), or not."""
-        self.probe.value = False  # whatever a micro-step's graph held was renewed before this
+        self._probe.value = False  # whatever a micro-step's graph held was renewed before this
         if not grad:
-            self.pending.value = False
+            self._pending.value = False
             return
-        early = not any(map(_POST_HOOKS, self.sources))
-        if self.native:  # the nodes made by link() serve every step
-            self.pending.value = True
-            if early != self.early:
-                self.early = early
+        early = not any(map(_POST_HOOKS, self._sources))
+        if self._native:  # the nodes made by link() serve every step
+            self._pending.value = True
+            if early != self._early:
+                self._early = early
                 self._set_turns()
         else:
-            self.early = early
+            self._early = early
             self.link(tensors, Pending(True))
 
     # NOTE [ Late reduction ]
@@ -554,36 +572,36 @@ class Reducer:
     def _set_turns(self) -> None:
         """Each node's turn in backward: the earliest (NOTE [ Early reduction ]) or the last
         (NOTE [ Late reduction ])."""
-        nr = _torch_private.MAX_SEQUENCE_NR if self.early else 0
-        for node in self.nodes:
+        nr = _torch_private.MAX_SEQUENCE_NR if self._early else 0
+        for node in self._nodes:
             _torch_private.set_sequence_nr(node, nr)
 
     def graph_alive(self) -> bool:
         """Whether the last step's graph (a micro-step's too) may still need the current tensors."""
-        if self.probe.value:
+        if self._probe.value:
             return True
-        if not self.pending.value:
+        if not self._pending.value:
             return False
-        if not self.native:
+        if not self._native:
             return True  # no owner counts without the extension: be conservative
         ext = _backend.ext()
-        return any(ext.grad_fn_use_count(t) > base for t, base in self.probes)
+        return any(ext.grad_fn_use_count(t) > base for t, base in self._probes)
 
     def new_leaves(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
         """Leaves on ``tensors`` for a ``no_sync`` cycle; the old ones, if any, are retired with
         their gradients (a graph still alive may add to them) until the fold."""
-        if self.leaves is not None:
-            self.retired.append(self.leaves)
-        self.leaves = make_leaves(tensors, self.sources)
-        self.probe_nodes = []
+        if self._leaves is not None:
+            self._retired.append(self._leaves)
+        self._leaves = make_leaves(tensors, self._sources)
+        self._probe_nodes = []
         if in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
-            mark_static(self.leaves)
+            mark_static(self._leaves)
 
     def watch(self) -> None:
         """A micro-step's forward runs on the leaves: ``graph_alive`` holds until its backward
         accumulates into a row's probe leaf (one hook per row and leaves): the first that
         requires grad, or, once that one went without, the first that received a gradient."""
-        if self.probe.value:  # the last probe did not fire
+        if self._probe.value:  # the last probe did not fire
             got = [
                 k
                 for gen in self._generations()
@@ -591,37 +609,37 @@ class Reducer:
                 for k, t in enumerate(row)
                 if t.grad is not None
             ]
-            if got and min(got) != self.probe_at:
-                self.probe_at, self.probe_nodes = min(got), []
-        if not self.probe_nodes:
-            self.probe = Probe()  # holds no replica tensor: the hooks make no cycle
-            for row in self.leaves or ():
-                leaf = next((t for t in row[self.probe_at :] if t.requires_grad), None)
+            if got and min(got) != self._probe_at:
+                self._probe_at, self._probe_nodes = min(got), []
+        if not self._probe_nodes:
+            self._probe = Probe()  # holds no replica tensor: the hooks make no cycle
+            for row in self._leaves or ():
+                leaf = next((t for t in row[self._probe_at :] if t.requires_grad), None)
                 if leaf is not None:
                     node = torch.autograd.graph.get_gradient_edge(leaf).node
-                    node.register_prehook(self.probe.ran)
-                    self.probe_nodes.append(node)
-        self.probe.value = bool(self.probe_nodes)
+                    node.register_prehook(self._probe.ran)
+                    self._probe_nodes.append(node)
+        self._probe.value = bool(self._probe_nodes)
 
     def start_cycle(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
         """The first micro-step of a ``no_sync`` cycle: nothing linked, fresh leaves."""
-        self.pending.value = False
-        self.retired = []
+        self._pending.value = False
+        self._retired = []
         self.new_leaves(tensors, in_order)
-        self.marks = grad_marks(self.sources)
+        self._marks = grad_marks(self._sources)
 
     def drop_if_zeroed(self) -> None:
         """A ``zero_grad()`` since the last micro-step drops the pending gradients."""
-        if grad_marks(self.sources) != self.marks:
+        if grad_marks(self._sources) != self._marks:
             self.drop_pending()
-            self.marks = grad_marks(self.sources)
+            self._marks = grad_marks(self._sources)
 
     def drop_pending(self, zeros: bool = False) -> None:
         """Forget the pending gradients; ``zeros``: ``zero_grad(set_to_none=False)``, which
         leaves zeros where plain accumulation would have had a gradient."""
         rows = [row for gen in self._generations() for row in gen]
         if zeros and any(leaf.grad is not None for row in rows for leaf in row):
-            for s in self.sources:  # a reduce gives every source a gradient (zeros if unused)
+            for s in self._sources:  # a reduce gives every source a gradient (zeros if unused)
                 if s.grad is None and s.requires_grad:
                     s.grad = torch.zeros_like(s)
         for row in rows:
@@ -629,7 +647,7 @@ class Reducer:
                 leaf.grad = None
 
     def _generations(self) -> list[list[list[torch.Tensor]]]:
-        return self.retired + ([] if self.leaves is None else [self.leaves])
+        return self._retired + ([] if self._leaves is None else [self._leaves])
 
     def take_pending(self) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
         """``(sources, leaves)`` per generation of this cycle's leaves, with their gradients
@@ -638,10 +656,10 @@ class Reducer:
         inside ``no_sync()``, its backward after a forward outside), what it adds to the leaves
         is folded again when that backward ends."""
         generations = self._generations()
-        self.leaves, self.retired, self.probe_nodes = None, [], []
-        if not generations or grad_marks(self.sources) != self.marks:
+        self._leaves, self._retired, self._probe_nodes = None, [], []
+        if not generations or grad_marks(self._sources) != self._marks:
             return []
-        pending = [(self.sources, leaves) for leaves in generations]
-        if self.probe.value:
-            self.probe.then = functools.partial(fold, pending, self.stats)  # not self: no cycle
+        pending = [(self._sources, leaves) for leaves in generations]
+        if self._probe.value:
+            self._probe.then = functools.partial(fold, pending, self._stats)  # not self: no cycle
         return pending

@@ -13,9 +13,11 @@ Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled repli
 
 from __future__ import annotations
 
+import enum
 import operator
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from torch.nn import Module
 
 from fastdp import _backend, _buckets
 from fastdp._compiled import compile_root, is_compiled, mark_static
+from fastdp._launch import Order
 from fastdp._reducer import _HOOKS, _VERSION, Reducer, has_grad_hooks
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.replicate import check_replicatable, clone_tree, finish_tree, point_parameter
@@ -67,27 +70,27 @@ def tensor_signature(tensors: list[torch.Tensor]) -> Any:
     )
 
 
-class Replicas(list):
-    """A step's replicas (their root modules); ``replica_set`` is the set they belong to. Made
-    per step, so the set never refers to it (no reference cycle)."""
-
-    __slots__ = ("replica_set",)
-
-    def __init__(self, roots: list[Module], replica_set: ReplicaSet) -> None:
-        super().__init__(roots)
-        self.replica_set = replica_set
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        return list, (list(self),)  # saved as the plain list DataParallel's replicate returns
-
-
 class NotCacheable(Exception):
     """The module cannot have persistent replicas (TorchScript modules); replicate afresh."""
 
 
+class Slots(enum.Enum):
+    """What the replicas' parameter slots point at (set by ``ReplicaSet._assign``)."""
+
+    LINKED = "linked"  # the set's tensors, outputs of the reduce nodes (a grad step)
+    ORIGINALS = "originals"  # as LINKED, but replica 0 on the originals themselves (no grad)
+    LEAVES = "leaves"  # the reducer's no_sync leaves (NOTE [ no_sync ] in fastdp/_reducer.py)
+
+
 class ReplicaSet:
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals): the module
-    copies, their tensors and slots; the gradient side is ``self.reducer`` (``Reducer``)."""
+    copies, their tensors and slots, and the gradient side (a ``Reducer``).
+
+    The wrapper (``FastDataParallel.replicate`` and its step) is the only caller. Per step:
+    ``valid`` (may these replicas serve?), ``refresh`` (this step's replicas), ``launch_order``
+    and ``serves`` (for the launch), ``after_launch``; around ``no_sync``: ``runs_on_leaves``,
+    ``holds_pending``, ``take_pending``, ``drop_pending``. Every field is private; a query writes
+    nothing."""
 
     def __init__(
         self,
@@ -99,286 +102,298 @@ class ReplicaSet:
     ) -> None:
         params = list(network.parameters())
         check_replicatable(network, params)
-        self.devices = list(devices)
-        self.src_device = devices[0]
-        self.compile_ctx = compile_ctx  # the wrapper's torch.compile context (roots only)
-        self.cap_bytes = cap_bytes
-        self.stats = stats  # the wrapper's comm_stats() counters
-        self.modules = list(network.modules())
-        if any(isinstance(m, torch.jit.ScriptModule) for m in self.modules):
+        modules = list(network.modules())
+        if any(isinstance(m, torch.jit.ScriptModule) for m in modules):
             raise NotCacheable("TorchScript modules are replicated afresh every step")
         buffers = list(network.buffers())
-        self.sources = params + [b for b in buffers if b.requires_grad]
-        self.buffers = [b for b in buffers if not b.requires_grad]
-        self.watched = self.sources + self.buffers
-        self.any_grad = any(s.requires_grad for s in self.sources)  # fixed by the signature
-        self.rnn_rows = [i for i, m in enumerate(self.modules) if hasattr(m, "_flat_weights_names")]
-        self.alias = not _buckets.cpu_distinct()
-        self.linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
-        self.in_order = False  # NOTE [ Compiled replicas run in order ]
-        self.leaf_mode = False  # the slots point at the reducer's no_sync leaves
-        self.held: list[torch.Tensor] = []  # what the replicas held when last sealed
-        self.held_ptrs: list[int] | bytes = []  # bytes: packed by the extension
-        self.held_check: Any = None  # the extension's held_changed, where it sealed
-        self.reseal = True  # what the replicas hold changed since: see seal()
-        self.shared_frozen: list[torch.Tensor] = []  # see _warn_shared_writes()
-        self.shared_versions: list[int] = []
-        self.warned_shared = False
-        self.row0_originals = False  # see refresh()
-        self.untracked = False  # the last forward may have made a graph no node tracks
+        n = len(devices)
+        # what the set was built from, fixed for its life (a change to any rebuilds it)
+        self._devs = list(devices)  # the replicas' devices; [0] holds the originals
+        self._src = devices[0]  # the originals' device
+        self._ctx = compile_ctx  # the wrapper's torch.compile context (roots only)
+        self._cap = cap_bytes  # bucket size (NOTE [ Buckets ])
+        self._stats = stats  # the wrapper's comm_stats() counters
+        self._net = modules  # the original modules, in ``modules()`` order
+        self._sources = params + [b for b in buffers if b.requires_grad]  # what replicas link to
+        self._bufs = [b for b in buffers if not b.requires_grad]  # copied to replicas 1..
+        self._watched = self._sources + self._bufs  # what tensor_signature checks
+        self._any_grad = any(s.requires_grad for s in self._sources)  # backward reduces
+        # the RNNs among ``_net``, whose weight lists are pointed again (NOTE [ RNN replicas ])
+        self._rnn_rows = [i for i, m in enumerate(modules) if hasattr(m, "_flat_weights_names")]
+        self._linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
+        alias = not _buckets.cpu_distinct()  # replicas on the originals' device share storage
+        # replicas with tensors of their own, refreshed from the originals every step
+        self._copy_rows = [j for j in range(1, n) if not (devices[j] == devices[0] and alias)]
+        self._order = _launch_order(modules, n, compile_ctx, bool(self._copy_rows))  # launches
+        # the replicas and their state, renewed as NOTE [ Tensors a forward changed ] says
+        self._slots = Slots.LINKED  # what the replicas' slots point at
+        self._held: list[torch.Tensor] = []  # what the replicas held when last sealed
+        self._held_ptrs: list[int] | bytes = []  # bytes: packed by the extension
+        self._held_check: Any = None  # the extension's held_changed, where it sealed
+        self._reseal = True  # what the replicas hold changed since: see seal()
+        self._shared_frozen: list[torch.Tensor] = []  # see _warn_shared_writes()
+        self._shared_versions: list[int] = []  # their versions when sealed
+        self._warned_shared = False  # _SHARED_WRITE said once per set
+        self._untracked = False  # the last forward may have made a graph no node tracks
+        self._n_buckets = 0  # comm_stats()'s "buckets", counted again after new layouts
+        self._verified: Any = None  # the wrapper's record last refreshed under: see valid()
+        self._layout: _buckets.Layout  # the copy rows' flats (set by _new_tensors)
+        self._buffer_layout: _buckets.Layout  # replicas 1..'s buffer flats
+        self._buffer_copies: list[list[torch.Tensor]] = []  # per replica 1.., its buffers
+        self._slots_at: list[tuple[int, str, int]] = []  # (module, key, source)
+        self._buffer_slots: list[tuple[int, int, str, int]] = []  # (row, module, key, buffer)
+        self._copies: list[list[Module]] = []  # per replica, its modules (``_net`` order)
+        self._attrs: ReplicaAttrs | None = None  # the replicas' dicts as built, to undo writes
         with torch.inference_mode(False):  # replica tensors must be normal tensors
-            self.tensors = self._new_tensors()
+            self._tensors = self._new_tensors()  # per replica, one per source
             self._new_buffer_copies()
-        self.reducer = Reducer(
-            self.sources, self.src_device, self.layout.buckets, stats, native=self.linked
+        self._reducer = Reducer(  # the gradient side
+            self._sources, self._src, self._layout.buckets, stats, native=self._linked
         )
-        self.replicas = self._build()
-        if self.linked and self.any_grad:
-            self.reducer.link(self.tensors)
-        self.originals = snapshot(module_dicts(self.modules))  # after building (it writes)
-        self.signature = tensor_signature(self.watched)
-        self.verified: Any = None  # see valid()
+        self._roots = self._build()  # the replicas' root modules (compiled ones included)
+        if self._linked and self._any_grad:
+            self._reducer.link(self._tensors)
+        # after building (it writes)
+        self._originals = snapshot(module_dicts(self._net))  # NOTE [ Replica invalidation ]
+        self._signature = tensor_signature(self._watched)  # the originals' tensors at build
 
     def _new_tensors(self) -> list[list[torch.Tensor]]:
         with torch.inference_mode(False):
-            first = [s.detach() for s in self.sources]  # replica 0: storage and version shared
-            self.copy_rows = [
-                j
-                for j in range(1, len(self.devices))
-                if not (self.devices[j] == self.src_device and self.alias)
-            ]
-            self.layout = _buckets.Layout(
-                self.sources, self.devices, self.copy_rows, self.cap_bytes
-            )
-            self.n_buckets = 0  # counted again by the next refresh
+            first = [s.detach() for s in self._sources]  # replica 0: storage and version shared
+            self._layout = _buckets.Layout(self._sources, self._devs, self._copy_rows, self._cap)
+            self._n_buckets = 0  # counted again by the next refresh
             rest = [
-                self.layout.rows[j]
-                if j in self.layout.rows
-                else [_buckets.alias(s) for s in self.sources]
-                for j in range(1, len(self.devices))
+                self._layout.rows[j]
+                if j in self._layout.rows
+                else [_buckets.alias(s) for s in self._sources]
+                for j in range(1, len(self._devs))
             ]
         return [first] + rest
 
     def _new_buffer_copies(self) -> None:
         """Buffers of replicas 1.. are always copies (BatchNorm updates them in place)."""
-        self.buffer_layout = _buckets.Layout(
-            self.buffers, self.devices, range(1, len(self.devices)), self.cap_bytes
+        self._buffer_layout = _buckets.Layout(
+            self._bufs, self._devs, range(1, len(self._devs)), self._cap
         )
-        self.n_buckets = 0
-        self.buffer_copies = [self.buffer_layout.rows[j] for j in range(1, len(self.devices))]
+        self._n_buckets = 0
+        self._buffer_copies = [self._buffer_layout.rows[j] for j in range(1, len(self._devs))]
+
+    def _in_turn(self) -> bool:
+        return self._order in (Order.IN_TURN, Order.IN_TURN_COMPILING_BACKWARD)
 
     def _build(self) -> list[Module]:
-        src_index = {t: k for k, t in enumerate(self.sources)}
-        buf_index = {t: k for k, t in enumerate(self.buffers)}
-        self.slots: list[tuple[int, str, int]] = []
-        self.buffer_slots: list[tuple[int, int, str, int]] = []  # (row, module, key, buffer)
-        copies = clone_tree(self.modules, len(self.devices))
-        for i, m in enumerate(self.modules):
+        src_index = {t: k for k, t in enumerate(self._sources)}
+        buf_index = {t: k for k, t in enumerate(self._bufs)}
+        copies = clone_tree(self._net, len(self._devs))
+        for i, m in enumerate(self._net):
             for key, p in m._parameters.items():
                 if p is None:
                     for row in copies:
                         row[i]._parameters[key] = None
                 else:
-                    self.slots.append((i, key, src_index[p]))
+                    self._slots_at.append((i, key, src_index[p]))
             for key, b in m._buffers.items():
                 for j, row in enumerate(copies):
                     if b is None:
                         row[i]._buffers[key] = None
                     elif b in src_index:
-                        self.slots.append((i, key, src_index[b]))
+                        self._slots_at.append((i, key, src_index[b]))
                     else:
-                        own = b if j == 0 else self.buffer_copies[j - 1][buf_index[b]]
+                        own = b if j == 0 else self._buffer_copies[j - 1][buf_index[b]]
                         setattr(row[i], key, own)
                         if j:
-                            self.buffer_slots.append((j, i, key, buf_index[b]))
+                            self._buffer_slots.append((j, i, key, buf_index[b]))
         # before the snapshots below: see NOTE [ Compiled replicas ]
-        finish_tree(self.modules, copies, compiled=self.compile_ctx is not None)
-        roots = [compile_root(row[0], self.compile_ctx) for row in copies]
-        self.in_order = self._runs_compiled_in_order()
-        if self.in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
-            mark_static(self.tensors)
-            mark_static(self.buffer_copies)
-        self.copies = copies
-        self.attrs: ReplicaAttrs | None = None
-        self._assign()
-        self.attrs = ReplicaAttrs([r for row in copies for r in row])
+        finish_tree(self._net, copies, compiled=self._ctx is not None)
+        roots = [compile_root(row[0], self._ctx) for row in copies]
+        if self._in_turn():  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
+            mark_static(self._tensors)
+            mark_static(self._buffer_copies)
+        self._copies = copies
+        self._assign(Slots.LINKED)
+        self._attrs = ReplicaAttrs([r for row in copies for r in row])
         return roots
 
-    def _runs_compiled_in_order(self) -> bool:
-        """Whether the set runs compiled code on several replicas (NOTE [ Compiled replicas run
-        in order ]), unless replicas interact inside a forward (SyncBatchNorm, replication
-        callbacks): those must run together, on threads."""
-        from fastdp.sync_batchnorm import _syncable
-
-        self.replicas_interact = any(
-            _syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in self.modules
-        )
-        return (
-            len(self.devices) > 1
-            and not self.replicas_interact
-            and (self.compile_ctx is not None or any(is_compiled(m) for m in self.modules))
-        )
-
-    def _assign(self, tensors: list[list[torch.Tensor]] | None = None) -> None:
-        """Point every replica's parameter slots at ``tensors`` (default ``self.tensors``: build
-        and fresh tensors; the leaves of NOTE [ no_sync ] otherwise).
+    def _assign(self, slots: Slots) -> None:
+        """Point every replica's parameter slots as ``slots`` says, after undoing what a forward
+        wrote to the replicas' dicts.
 
         Each slot as ``replicate`` writes it (``point_parameter``), RNN weight lists rebuilt
         afterwards.
         """
-        self.leaf_mode = tensors is not None and tensors is not self.tensors
-        if self.attrs is not None:
-            self.attrs.undo_forward_writes()
-            self.attrs.snap = None
+        self._slots = slots
+        if self._attrs is not None:
+            self._attrs.undo_forward_writes()
+            self._attrs.snap = None
         self._point_slots()
 
     def _point_slots(self) -> None:
-        """Every replica's slots at the tensors of this mode (leaves or linked tensors)."""
-        rows = self.leaves if self.leaf_mode else self.tensors
-        for j, row in enumerate(self.copies):
-            row_tensors = self.sources if j == 0 and self.row0_originals else rows[j]
-            for i, key, k in self.slots:
+        """Every replica's slots at the tensors ``self._slots`` names."""
+        rows = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
+        row0 = self._sources if self._slots is Slots.ORIGINALS else None
+        for j, row in enumerate(self._copies):
+            row_tensors = row0 if j == 0 and row0 is not None else rows[j]
+            for i, key, k in self._slots_at:
                 r, t = row[i], row_tensors[k]
                 if key in r._buffers:
                     r._buffers[key] = t
                     continue
                 point_parameter(r, key, t)
-            for i in self.rnn_rows:
+            for i in self._rnn_rows:
                 _point_rnn_cache(row[i])
-        for j, i, key, k in self.buffer_slots:
-            self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
-        self.reseal = True
+        for j, i, key, k in self._buffer_slots:
+            self._copies[j][i]._buffers[key] = self._buffer_copies[j - 1][k]
+        self._reseal = True
 
     def valid(self, verified: Any = None) -> bool:
-        """Whether the replicas still match the module. ``verified``: the wrapper's record of a
-        signature check passed this step (NOTE [ One signature per step ] in data_parallel.py);
-        when the set was last validated under the same record, its own signature is skipped."""
-        if (_backend.ext() is not None) != self.linked:
+        """Whether the replicas still match the module: the wrapper asks before each
+        ``refresh``; a query (writes nothing). ``verified``: the wrapper's record of a signature
+        check passed this step (NOTE [ One signature per step ] in data_parallel.py); when the
+        set was last refreshed under the same record, its own signature is skipped."""
+        if (_backend.ext() is not None) != self._linked:
             return False  # the backend was switched: rebuild for the other path
-        if verified is not None and verified is self.verified:
+        if verified is not None and verified is self._verified:
             return True
-        if self.originals.changed() or self.signature != tensor_signature(self.watched):
-            return False
-        self.verified = verified
-        return True
+        return not self._originals.changed() and self._signature == tensor_signature(self._watched)
+
+    def serves(self, replicas: Sequence[Module]) -> bool:
+        """Whether ``replicas`` are this set's (what ``refresh`` returned, or a list of the same
+        roots): the wrapper asks at the launch. A query."""
+        roots = self._roots
+        return len(replicas) == len(roots) and bool(roots) and replicas[0] is roots[0]
+
+    def launch_order(self) -> Order:
+        """What every launch of these replicas requires (``fastdp._launch.Order``), chosen when
+        the set was built: ``TOGETHER`` asks the wrapper to arm them (``prepare_replicas``) every
+        step. A query."""
+        return self._order
 
     def copy_sources(self) -> None:
         """Copy the originals into the copy rows (no autograd): one broadcast per bucket."""
-        self.layout.refresh(self.sources, self.stats)
+        self._layout.refresh(self._sources, self._stats)
 
     def _renew(self) -> None:
-        """Fresh replica tensors (and, on the extension path, fresh nodes)."""
-        self.tensors = self._new_tensors()
-        if self.in_order:
-            mark_static(self.tensors)
-        self._assign()
-        if self.linked and self.any_grad:
-            self.reducer.link(self.tensors)
+        """Fresh replica tensors (and, on the extension path, fresh nodes); slots on them (the
+        linked ones: leaves wait for the caller)."""
+        self._tensors = self._new_tensors()
+        if self._in_turn():
+            mark_static(self._tensors)
+        self._assign(Slots.LINKED if self._slots is Slots.LEAVES else self._slots)
+        if self._linked and self._any_grad:
+            self._reducer.link(self._tensors)
 
     def _renew_buffers(self) -> None:
         """Fresh buffer copies for replicas 1.. (the old ones stay with the pending graph)."""
-        if not self.buffer_slots:
+        if not self._buffer_slots:
             return
         with torch.inference_mode(False):
             self._new_buffer_copies()
-        if self.in_order:
-            mark_static(self.buffer_copies)
-        for j, i, key, k in self.buffer_slots:
-            self.copies[j][i]._buffers[key] = self.buffer_copies[j - 1][k]
-        self.reseal = True
+        if self._in_turn():
+            mark_static(self._buffer_copies)
+        for j, i, key, k in self._buffer_slots:
+            self._copies[j][i]._buffers[key] = self._buffer_copies[j - 1][k]
+        self._reseal = True
 
     def _copy_buffers(self) -> None:
-        if len(self.devices) > 1 and self.buffers:
-            self.buffer_layout.refresh(self.buffers, self.stats)
+        if len(self._devs) > 1 and self._bufs:
+            self._buffer_layout.refresh(self._bufs, self._stats)
 
     def add_memory(self, out: dict[str, dict[str, int]]) -> None:
-        """Add the bytes this set holds per device (see ``FastDataParallel.memory_stats``)."""
-        self.layout.add_memory(out)
-        if len(self.devices) > 1:
-            self.buffer_layout.add_memory(out)
+        """Add the bytes this set holds per device to ``out`` (``FastDataParallel.memory_stats``);
+        writes nothing of its own."""
+        self._layout.add_memory(out)
+        if len(self._devs) > 1:
+            self._buffer_layout.add_memory(out)
 
     def _count_buckets(self) -> int:
-        self.n_buckets = len(self.layout.buckets) + (
-            len(self.buffer_layout.buckets) if len(self.devices) > 1 else 0
+        self._n_buckets = len(self._layout.buckets) + (
+            len(self._buffer_layout.buckets) if len(self._devs) > 1 else 0
         )
-        return self.n_buckets
+        return self._n_buckets
 
-    def refresh(self, no_sync: bool = False) -> list[Module]:
-        """This step's replicas: tensors refreshed from the originals, autograd linked (on
-        leaves that keep their gradients under ``no_sync``: see NOTE [ no_sync ])."""
-        if self.stats is not None:
-            self.stats["buckets"] = self.n_buckets or self._count_buckets()
-        self.reducer.start_step()
+    def refresh(self, no_sync: bool = False, verified: Any = None) -> list[Module]:
+        """This step's replicas (a new list of the set's roots): tensors refreshed from the
+        originals, autograd linked (on leaves that keep their gradients under ``no_sync``: see
+        NOTE [ no_sync ]). Called by the wrapper once per step, after ``valid`` (or a build),
+        before the launch; ``verified``: the record the set is now valid under (see ``valid``).
+        Writes the replicas, their tensors and the reducer's step state."""
+        self._verified = verified
+        if self._stats is not None:
+            self._stats["buckets"] = self._n_buckets or self._count_buckets()
+        self._reducer.start_step()
         renewed = self._tainted()  # first: what the last forward's replicas held, as sealed
         if renewed:
             self._renew_all()
-        elif self.attrs.undo_forward_writes():
+        elif self._attrs.undo_forward_writes():
             self._point_slots()
-        if self.row0_originals == torch.is_grad_enabled():
-            # DataParallel's replicate(detach=True) gives replica 0 the original tensors
-            # themselves (a forward's .data = reaches them); with grad, views of them
-            self.row0_originals = not self.row0_originals
-            self._point_slots()
+        # DataParallel's replicate(detach=True) gives replica 0 the original tensors themselves
+        # (a forward's .data = reaches them); with grad, views of them
+        originals = not torch.is_grad_enabled()
         if (
-            no_sync
-            and self.any_grad
-            and torch.is_grad_enabled()
-            and not has_grad_hooks(self.sources)
+            no_sync and self._any_grad and not originals and not has_grad_hooks(self._sources)
         ):  # NOTE [ no_sync ]; hooks on the originals must see every micro-step's gradient
-            return Replicas(self._refresh_no_sync(renewed), self)
-        if self.leaf_mode:
-            self._assign()  # back to the linked tensors; the leaves wait for the fold
+            if self._slots is Slots.ORIGINALS:
+                self._slots = Slots.LINKED
+                self._point_slots()
+            return list(self._refresh_no_sync(renewed))
+        if self._slots is Slots.LEAVES:  # back to the linked tensors; the leaves wait for the fold
+            self._assign(Slots.ORIGINALS if originals else Slots.LINKED)
+        elif (self._slots is Slots.ORIGINALS) != originals:
+            self._slots = Slots.ORIGINALS if originals else Slots.LINKED
+            self._point_slots()
         # a live graph may still need the copies' old values; with no source requiring grad no
         # node can tell (inputs that require grad make graphs all the same): assume one is
-        if self.reducer.graph_alive() or self.untracked:
-            if not self.linked or self.copy_rows or self.untracked:
+        if self._reducer.graph_alive() or self._untracked:
+            if not self._linked or self._copy_rows or self._untracked:
                 self._renew()
             self._renew_buffers()
         self._copy_buffers()
-        if self.copy_rows:
+        if self._copy_rows:
             self.copy_sources()
-        self.untracked = not self.any_grad and torch.is_grad_enabled()
-        self.reducer.arm(self.tensors, self.any_grad and torch.is_grad_enabled())
-        if self.reseal or self.attrs.snap is None:
+        self._untracked = not self._any_grad and torch.is_grad_enabled()
+        self._reducer.arm(self._tensors, self._any_grad and torch.is_grad_enabled())
+        if self._reseal or self._attrs.snap is None:
             self.seal()
-        return Replicas(self.replicas, self)
+        return list(self._roots)
 
     def seal(self) -> None:
         """The replicas start a step as the set made them: their dicts, and what their tensors
-        are (NOTE [ Tensors a forward changed ])."""
-        self.attrs.seal()
-        if self.reseal:
-            self.reseal = False
-            rows = self.leaves if self.leaf_mode else self.tensors
+        are (NOTE [ Tensors a forward changed ]). Called by ``refresh``."""
+        self._attrs.seal()
+        if self._reseal:
+            self._reseal = False
+            rows = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
             # row 0 on the originals: those are checked by the wrapper's signature
-            self.held = [t for row in rows[1 if self.row0_originals else 0 :] for t in row] + [
-                t for row in self.buffer_copies for t in row
+            first = 1 if self._slots is Slots.ORIGINALS else 0
+            self._held = [t for row in rows[first:] for t in row] + [
+                t for row in self._buffer_copies for t in row
             ]
             ext = _backend.ext()
-            self.held_check = None if ext is None else ext.held_changed
-            self.held_ptrs = (
-                list(map(torch.Tensor.data_ptr, self.held))
+            self._held_check = None if ext is None else ext.held_changed
+            self._held_ptrs = (
+                list(map(torch.Tensor.data_ptr, self._held))
                 if ext is None
-                else ext.held_data_ptrs(self.held)
+                else ext.held_data_ptrs(self._held)
             )
-            frozen = [k for k, s in enumerate(self.sources) if not s.requires_grad]
-            self.shared_frozen = [
-                rows[j][k] for j in range(1, len(rows)) if j not in self.copy_rows for k in frozen
+            frozen = [k for k, s in enumerate(self._sources) if not s.requires_grad]
+            self._shared_frozen = [
+                rows[j][k] for j in range(1, len(rows)) if j not in self._copy_rows for k in frozen
             ]
-            self.shared_versions = list(map(_VERSION, self.shared_frozen))
+            self._shared_versions = list(map(_VERSION, self._shared_frozen))
 
     def after_launch(self) -> None:
-        if self.shared_frozen:
+        """The wrapper calls it after each launch of these replicas: warns once per set where a
+        forward wrote in place to a frozen parameter the replicas share (README, *Persistent
+        replicas*)."""
+        if self._shared_frozen:
             self._warn_shared_writes()
 
     def _warn_shared_writes(self) -> None:
-        """Replicas sharing the originals' storage apply a forward's in-place write to a frozen
-        parameter once each (README, *Persistent replicas*): said once per set."""
-        versions = list(map(_VERSION, self.shared_frozen))
-        if versions != self.shared_versions:
-            self.shared_versions = versions
-            if not self.warned_shared:
-                self.warned_shared = True
+        versions = list(map(_VERSION, self._shared_frozen))
+        if versions != self._shared_versions:
+            self._shared_versions = versions
+            if not self._warned_shared:
+                self._warned_shared = True
                 warnings.warn(_SHARED_WRITE, UserWarning, stacklevel=5)
 
     def _tainted(self) -> bool:
@@ -389,59 +404,102 @@ class ReplicaSet:
         Each step checks every tensor the replicas hold (one pass in C++; without the extension
         one C-level pass for storage, one for hooks); a changed set gets fresh tensors (and
         nodes), as DataParallel's would be."""
-        held = self.held
-        if self.held_check is not None:  # sealed with the extension: held_data_ptrs
-            return self.held_check(held, self.held_ptrs)
-        return list(map(torch.Tensor.data_ptr, held)) != self.held_ptrs or any(map(_HOOKS, held))
+        held = self._held
+        if self._held_check is not None:  # sealed with the extension: held_data_ptrs
+            return self._held_check(held, self._held_ptrs)
+        return list(map(torch.Tensor.data_ptr, held)) != self._held_ptrs or any(map(_HOOKS, held))
 
     def _renew_all(self) -> None:
         """Fresh tensors for every replica (NOTE [ Tensors a forward changed ]); gradients
         pending under ``no_sync`` stay on the old leaves until the fold."""
         self._renew()
         self._renew_buffers()
-        if self.reducer.leaves is not None:
-            self.reducer.new_leaves(self.tensors, self.in_order)
+        if self._reducer.leaves() is not None:
+            self._reducer.new_leaves(self._tensors, self._in_turn())
 
-    @property
-    def leaves(self) -> list[list[torch.Tensor]] | None:
-        """The replicas' leaves of this ``no_sync`` cycle (None outside one)."""
-        return self.reducer.leaves
+    def runs_on_leaves(self) -> bool:
+        """Whether the last ``refresh`` gave a ``no_sync`` micro-step (slots on the leaves,
+        nothing reduced). A query, for the wrapper's ``no_sync_stats``."""
+        return self._slots is Slots.LEAVES
+
+    def holds_pending(self) -> bool:
+        """Whether gradients of a ``no_sync`` cycle wait on this set's leaves for a fold
+        (``take_pending``). A query."""
+        return self._reducer.leaves() is not None
 
     def _refresh_no_sync(self, renewed: bool) -> list[Module]:
         """A micro-step under ``no_sync``: replicas on the reducer's leaves, nothing linked or
         reduced (NOTE [ no_sync ] in fastdp/_reducer.py). ``renewed``: the set just renewed
         every tensor."""
-        first = self.reducer.leaves is None
+        first = self._reducer.leaves() is None
         # a graph that saved the copies awaits its backward
-        alive = not renewed and self.reducer.graph_alive()
+        alive = not renewed and self._reducer.graph_alive()
         if first:
-            if alive and (self.copy_rows or not self.linked):
+            if alive and (self._copy_rows or not self._linked):
                 self._renew()
-            self.reducer.start_cycle(self.tensors, self.in_order)
+            self._reducer.start_cycle(self._tensors, self._in_turn())
         else:
-            self.reducer.drop_if_zeroed()
-            if alive and self.copy_rows:
+            self._reducer.drop_if_zeroed()
+            if alive and self._copy_rows:
                 self._renew_all()  # new leaves; the old keep what that graph owes them
         if alive:
             self._renew_buffers()
-        if not self.leaf_mode:
-            self._assign(self.reducer.leaves)
+        if self._slots is not Slots.LEAVES:
+            self._assign(Slots.LEAVES)
         self._copy_buffers()
-        if self.copy_rows:  # every micro-step: ``p.data.clamp_()`` changes no version
+        if self._copy_rows:  # every micro-step: ``p.data.clamp_()`` changes no version
             with torch.no_grad():
                 self.copy_sources()
-        self.reducer.watch()
+        self._reducer.watch()
         self.seal()
-        return self.replicas
+        return self._roots
 
     def drop_pending(self, zeros: bool = False) -> None:
-        """``zero_grad()``: the gradients pending under ``no_sync`` go (see ``Reducer``)."""
-        self.reducer.drop_pending(zeros)
+        """``zero_grad()`` (the wrapper's): the gradients pending under ``no_sync`` go (see
+        ``Reducer.drop_pending``)."""
+        self._reducer.drop_pending(zeros)
 
     def take_pending(self) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
-        """The pending ``no_sync`` gradients for the fold (``Reducer.take_pending``); the slots go
-        back to the linked tensors."""
-        pending = self.reducer.take_pending()
-        if self.leaf_mode:
-            self._assign()
+        """The pending ``no_sync`` gradients for the wrapper's fold (``Reducer.take_pending``),
+        ending the cycle; the slots go back to the linked tensors."""
+        pending = self._reducer.take_pending()
+        if self._slots is Slots.LEAVES:
+            self._assign(Slots.LINKED)
         return pending
+
+    def for_tests(self) -> _TestView:
+        """A test hook, never called by the library: the set's state, read live, under the
+        names tests assert on. A query."""
+        return _TestView(self)
+
+
+class _TestView:
+    """``ReplicaSet.for_tests``: read-only, live views of a set's state."""
+
+    __slots__ = ("_rs",)
+
+    def __init__(self, rs: ReplicaSet) -> None:
+        self._rs = rs
+
+    replicas = property(lambda v: v._rs._roots, doc="the replicas' roots")
+    tensors = property(lambda v: v._rs._tensors, doc="per replica, one tensor per source")
+    sources = property(lambda v: v._rs._sources, doc="the originals the replicas link to")
+    leaves = property(lambda v: v._rs._reducer.leaves(), doc="the no_sync leaves, or None")
+    layout = property(lambda v: v._rs._layout, doc="the copy rows' flats (``_buckets.Layout``)")
+    compile_ctx = property(lambda v: v._rs._ctx, doc="the torch.compile context")
+    in_order = property(lambda v: v._rs._in_turn(), doc="whether the replicas run in turn")
+
+
+def _launch_order(modules: list[Module], n: int, ctx: Any, copy_rows: bool) -> Order:
+    """How the replicas of ``modules`` on ``n`` devices must run: together where they meet in
+    forward (SyncBatchNorm, replication callbacks; NOTE [ Replicas that must run at once ]),
+    else in turn where several run compiled code (NOTE [ Compiled replicas run in order ];
+    with copy rows each backward compiled with its forward: NOTE [ Backward compiled with the
+    forward ]), else as the strategy says."""
+    from fastdp.sync_batchnorm import _syncable
+
+    if any(_syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in modules):
+        return Order.TOGETHER  # armed every step (callbacks run even for one replica)
+    if n < 2 or (ctx is None and not any(is_compiled(m) for m in modules)):
+        return Order.ANY
+    return Order.IN_TURN_COMPILING_BACKWARD if copy_rows else Order.IN_TURN

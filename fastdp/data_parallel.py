@@ -6,9 +6,6 @@ nn.DataParallel*.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import threading
 import warnings
 import weakref
@@ -22,24 +19,19 @@ from torch.nn import DataParallel, Module
 from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _buckets, _launch, _torch_private, _transports
-from fastdp._compiled import (
-    backward_with_forward,
-    context_from_options,
-    is_compiled,
-    untraced_forward,
-)
+from fastdp._compiled import context_from_options, is_compiled, untraced_forward
 from fastdp._devices import as_device, as_devices, public_id
+from fastdp._launch import Order
 from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
 from fastdp._reducer import fold
 from fastdp._replica_set import NotCacheable, ReplicaSet, tensor_signature
-from fastdp._runners import raise_first_error
 from fastdp._snapshots import module_dicts, snapshot
 from fastdp._state_dict import load_wrapped_state_dict
 from fastdp._workers import WorkerPool
 from fastdp.parallel_apply import parallel_apply
 from fastdp.replicate import replicate
 from fastdp.scatter_gather import Scattered, gather, scatter_kwargs, scatter_planned
-from fastdp.sync_batchnorm import prepare_replicas
+from fastdp.sync_batchnorm import prepare_replicas, replicas_meet
 
 __all__ = ["FastDataParallel", "data_parallel"]
 
@@ -217,9 +209,6 @@ class FastDataParallel(DataParallel):
             try:
                 replicas = self._replicate_step(plan, len(inputs))
                 outputs = self._launch_step(plan, replicas, inputs, module_kwargs)
-                rs = getattr(replicas, "replica_set", None)
-                if rs is not None and rs.shared_frozen:
-                    rs.after_launch()
             finally:
                 self._step_lock.release()
             return self._gather_step(plan, outputs, inputs, module_kwargs)
@@ -259,24 +248,31 @@ class FastDataParallel(DataParallel):
 
     def _replicate_step(self, plan: StepPlan, n: int) -> list[Module]:
         ids = plan.ids if len(plan.ids) == n else plan.ids[:n]
-        if _takes_plan(type(self)):
+        if type(self).replicate is FastDataParallel.replicate:
             return self.replicate(self.module, ids, plan=plan)
-        return self.replicate(self.module, ids)  # a subclass's DataParallel-signature seam
+        return self.replicate(self.module, ids)  # a subclass's seam: DataParallel's signature
 
     def _launch_step(
         self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any], kwargs: Sequence[Any]
     ) -> list[Any]:
+        """Arm the replicas where they meet in forward, then the ``parallel_apply`` seam."""
         on = {"devices": plan.devices[: len(inputs)]} if plan.custom_split else {}
-        rs = getattr(replicas, "replica_set", None)
-        if rs is not None and rs.in_order:  # NOTE [ Compiled replicas run in order ]
-            # NOTE [ Backward compiled with the forward ]: where backwards may run on several
-            # threads (copy rows: other devices, or CPU replicas standing in for them)
-            with backward_with_forward() if rs.copy_rows else contextlib.nullcontext():
-                return self.parallel_apply(replicas, inputs, kwargs, launch="inline", **on)
-        if rs is not None and not rs.replicas_interact:  # nothing to arm (SyncBatchNorm...)
-            return self.parallel_apply(replicas, inputs, kwargs, **on)
-        with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
-            return self.parallel_apply(replicas, inputs, kwargs, **on)
+        rs = self._set_of(replicas)
+        if rs is not None and rs.launch_order() is not Order.TOGETHER:  # nothing to arm
+            outputs = self.parallel_apply(replicas, inputs, kwargs, **on)
+        else:
+            with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
+                outputs = self.parallel_apply(replicas, inputs, kwargs, **on)
+        if rs is not None:
+            rs.after_launch()
+        return outputs
+
+    def _set_of(self, replicas: Sequence[Module]) -> ReplicaSet | None:
+        """The kept replica set ``replicas`` belong to; None for fresh replicas."""
+        for rs in self._replica_sets.values():
+            if rs.serves(replicas):
+                return rs
+        return None
 
     def _gather_step(
         self, plan: StepPlan, outputs: list[Any], inputs: Sequence[Any], kwargs: Sequence[Any]
@@ -413,8 +409,9 @@ class FastDataParallel(DataParallel):
     def replicate(
         self, module: Module, device_ids: Sequence[Any], *, plan: StepPlan | None = None
     ) -> list[Module]:
-        """DataParallel's ``replicate``; persistent replicas come back as a list whose
-        ``replica_set`` is their set. ``plan``: the step's (context, verified signature)."""
+        """DataParallel's ``replicate``; persistent replicas come back as a new list of their
+        set's roots. ``plan``: the step's (context, verified signature); a subclass overriding
+        this seam is called with DataParallel's signature, without it."""
         devs = _devs(device_ids, self)
         if not self.persistent or module is not self.module:
             return replicate(module, devs, not torch.is_grad_enabled())
@@ -432,10 +429,10 @@ class FastDataParallel(DataParallel):
         sets[key] = rs
         if len(sets) > _MAX_SETS:
             del sets[next(iter(sets))]
-        replicas = rs.refresh(self._no_sync)
-        if rs.leaf_mode:
+        replicas = rs.refresh(self._no_sync, verified)
+        if rs.runs_on_leaves():
             self.no_sync_stats["micro_steps"] += 1
-        if rs.reducer.leaves is not None:  # under no_sync: fold at the next step outside
+        if rs.holds_pending():  # under no_sync: fold at the next step outside
             self._pending_sets[id(rs)] = rs
         return replicas
 
@@ -476,28 +473,29 @@ class FastDataParallel(DataParallel):
         *,
         launch: str | None = None,
     ) -> list[Any]:
-        """``launch`` overrides the wrapper's strategy for this call (compiled replica sets run
-        ``"inline"``: NOTE [ Compiled replicas run in order ] in ``fastdp/_compiled.py``)."""
-        if devices is None:
-            devices = self._devices[: len(replicas)]
-        strategy = self.strategy
-        if launch is not None and launch != strategy.name:
-            strategy = _launch.FIXED.get(launch) or _launch.make(launch)
-        strategy = _launch.for_replicas(strategy, replicas)  # NOTE [ ... run at once ]
-        if not self.persistent or len(replicas) < 2:
-            name = "threads" if strategy.name == "auto" else strategy.name
-            self._last["launch"] = name
-            return parallel_apply(replicas, inputs, kwargs, devices, launch=name)
-        if self._pool.interrupted:  # an earlier step was interrupted: its replicas may be mid-use
-            self._pool.drain()
+        """DataParallel's seam: ``replicas[i](*inputs[i], **kwargs[i])`` on ``devices[i]``
+        (default: the wrapper's first ``len(replicas)`` devices). ``launch`` overrides the
+        wrapper's strategy for this call; what overrides both (replicas that meet, compiled
+        replica sets) is decided by ``fastdp._launch.launch`` from its arguments."""
+        n = len(replicas)
+        devs = self._devices[:n] if devices is None else [as_device(d) for d in devices]
+        rs = self._set_of(replicas)
+        pool = self._pool if self.persistent and n >= 2 else None
+        if pool is not None and pool.interrupted:  # an interrupted step's replicas may be busy
+            pool.drain()
             self.invalidate_replicas()
-        kwargs = kwargs if kwargs is not None else ({},) * len(replicas)
-        try:
-            results = strategy.run(replicas, inputs, kwargs, devices, self._pool)
-        finally:  # also when interrupted: what ran is what the next step must wait for
-            self._last["launch"] = strategy.ran()
-        raise_first_error(results)
-        return results
+        return _launch.launch(
+            replicas,
+            inputs,
+            kwargs,
+            devs,
+            self.strategy,
+            name=launch,
+            pool=pool,
+            together=replicas_meet(replicas),
+            order=Order.ANY if rs is None else rs.launch_order(),
+            record=self._last,
+        )
 
     @property
     def last_launch(self) -> str | None:
@@ -532,14 +530,6 @@ class FastDataParallel(DataParallel):
             scalars=self.scalar_outputs,
             weights=weights,
         )
-
-
-@functools.cache
-def _takes_plan(cls: type) -> bool:
-    """Whether ``cls.replicate`` takes ``plan=`` (ours does; a DataParallel-style override may
-    not)."""
-    params = inspect.signature(cls.replicate).parameters
-    return "plan" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _rows(inputs: Any, kwargs: Any, dim: int) -> int:

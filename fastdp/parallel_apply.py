@@ -17,7 +17,6 @@ from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp import _launch
 from fastdp._devices import as_device
-from fastdp._launch import must_run_together
 from fastdp._runners import (
     ReplicaAborted,
     capture_state,
@@ -25,8 +24,8 @@ from fastdp._runners import (
     reraise,
     run_in_turn,
     run_on_threads,
-    wait_for_stragglers,
 )
+from fastdp.sync_batchnorm import replicas_meet
 
 __all__ = [
     "parallel_apply",
@@ -39,7 +38,7 @@ __all__ = [
     "must_run_concurrently",
 ]
 
-must_run_concurrently = must_run_together  # the name this module exported
+must_run_concurrently = replicas_meet  # the name this module exported
 
 
 def _infer_device(inp: Any) -> torch.device:
@@ -50,13 +49,6 @@ def _infer_device(inp: Any) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _check_lengths(what: str, n_modules: int, n: int) -> None:
-    if n != n_modules:
-        raise AssertionError(
-            f"The number of modules {n_modules} is not equal to the number of {what} {n}"
-        )
 
 
 def parallel_apply(
@@ -76,18 +68,7 @@ def parallel_apply(
     ``FastDataParallel`` keeps between steps, so here it means threads). Replicas that must run at
     once always run on threads (NOTE [ Replicas that must run at once ] in ``fastdp/_launch.py``).
     """
-    _check_lengths("inputs", len(modules), len(inputs))
-    if kwargs_tup is None:
-        kwargs_tup = ({},) * len(modules)
-    else:
-        _check_lengths("kwargs_tup", len(modules), len(kwargs_tup))
-    if devices is None:
-        devs = [_infer_device(x) for x in inputs]
-    else:
-        _check_lengths("devices", len(modules), len(devices))
-        devs = [as_device(d) for d in devices]
-    strategy = _launch.for_replicas(_launch.make(launch), modules)
-    wait_for_stragglers()
-    results = strategy.run(modules, inputs, kwargs_tup, devs)  # no pool: auto means threads
-    raise_first_error(results)
-    return results
+    devs = [_infer_device(x) for x in inputs] if devices is None else map(as_device, devices)
+    return _launch.launch(
+        modules, inputs, kwargs_tup, list(devs), name=launch, together=replicas_meet(modules)
+    )

@@ -34,10 +34,9 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn import Module, SyncBatchNorm
 
-from fastdp._launch import run_together
 from fastdp._runners import ReplicaAborted
 
-__all__ = ["CallbackContext", "prepare_replicas"]
+__all__ = ["CallbackContext", "prepare_replicas", "replicas_meet"]
 
 _DEFAULT_TIMEOUT = 300.0
 _scan_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -316,12 +315,8 @@ def _callbacks(replicas: Sequence[Module], cb_pos: list[int]) -> list[list[tuple
 class _Prepared:
     """Context manager returned by ``prepare_replicas``; restores the replicas' forwards on exit."""
 
-    def __init__(
-        self, installed: list[tuple[Module, _Forward]], concurrent: Sequence[Module] = ()
-    ) -> None:
+    def __init__(self, installed: list[tuple[Module, _Forward]]) -> None:
         self.installed = installed
-        self.concurrent = list(concurrent)
-        run_together(self.concurrent)  # NOTE [ Replicas that must run at once ] in _launch.py
 
     def __enter__(self) -> _Prepared:
         return self
@@ -333,8 +328,15 @@ class _Prepared:
             else:
                 module.__dict__["forward"] = fwd.inner
         self.installed = []
-        run_together(self.concurrent, on=False)
-        self.concurrent = []
+
+
+def replicas_meet(replicas: Sequence[Any]) -> bool:
+    """Whether ``replicas`` meet each other during their forward, so they must run at once
+    (NOTE [ Replicas that must run at once ] in ``fastdp/_launch.py``): ``prepare_replicas``
+    armed them (their roots run its rendezvous's forward) and its block has not ended. A query
+    of the replicas themselves: O(1), nothing written."""
+    d = getattr(replicas[0], "__dict__", None) if replicas else None
+    return d is not None and isinstance(d.get("forward"), _Forward)
 
 
 def _timeout(timeout: float | None) -> float:
@@ -368,10 +370,10 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
     for copy_id, mods in enumerate(callbacks):  # master copy first, as DataParallelWithCallback
         for j, m in mods:
             m.__data_parallel_replicate__(ctxs.setdefault(j, CallbackContext()), copy_id)
-    if len(replicas) < 2:
+    if len(replicas) < 2 or not (names or any(callbacks)):
         return _Prepared([])
-    if not names:  # callbacks' copies may talk to each other during forward: run them at once
-        return _Prepared([], replicas if any(callbacks) else ())
+    # callbacks' copies may talk to each other during forward: their roots run the rendezvous's
+    # forward too (it has no layer to sync), so replicas_meet says they must run at once
     rv = _Rendezvous(len(replicas), _timeout(timeout), names)
     installed = []
     for rank, root in enumerate(replicas):
@@ -382,4 +384,4 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
             installed.append((root, _Forward(root, rv, rank, None, root=True)))
     for m, fwd in installed:
         m.__dict__["forward"] = fwd
-    return _Prepared(installed, replicas)
+    return _Prepared(installed)

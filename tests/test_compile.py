@@ -112,7 +112,8 @@ def test_compiled_module_replicas_match_compiled_plain_module(form):
         assert_step_matches(dp, net, plain, ref, x)
     assert counters["stats"]["unique_graphs"] > 0  # the replicas ran compiled code
     assert list(net.body) == list(net.body._modules.values())  # the original is intact
-    for r in next(iter(dp._replica_sets.values())).replicas:  # each runs itself, not the original
+    rs = next(iter(dp._replica_sets.values())).for_tests()
+    for r in rs.replicas:  # each runs itself, not the original
         inner = r._orig_mod if form == "torch.compile" else r
         entry = r.forward if form == "torch.compile" else r._compiled_call_impl
         assert inner is not net and entry._torchdynamo_orig_callable.__self__ is inner
@@ -237,7 +238,7 @@ def test_wrapper_compile_fullgraph_and_mode_reach_the_replicas():
     dp.compile(backend="eager", fullgraph=True, dynamic=True)
     x = torch.randn(16, 16)
     assert_step_matches(dp, net, torch.compile(ref, backend="eager", fullgraph=True), ref, x)
-    ctx = next(iter(dp._replica_sets.values())).compile_ctx
+    ctx = next(iter(dp._replica_sets.values())).for_tests().compile_ctx
     assert ctx.fullgraph and ctx._dynamic is True
     before = compiles()
     dp(torch.randn(13, 16)).sum().backward()  # dynamic=True: no recompile for a new size
@@ -283,7 +284,7 @@ def test_compiled_replica_tensors_are_static_graph_inputs():
     """Persistent replica tensors keep their addresses: marked static for CUDA graphs."""
     dp = fastdp.FastDataParallel(torch.compile(make(), backend="eager"), ["cpu"] * 2)
     dp(torch.randn(8, 16)).sum().backward()
-    rs = next(iter(dp._replica_sets.values()))
+    rs = next(iter(dp._replica_sets.values())).for_tests()
     assert all(t._dynamo_static_input_type == "unguarded" for row in rs.tensors for t in row)
 
 
@@ -297,7 +298,7 @@ def test_compiled_replicas_run_in_order_whatever_the_launch(launch, compile_it):
     )
     for _ in range(9):  # past auto's trial steps
         dp(torch.randn(8, 16)).sum().backward()
-    rs = next(iter(dp._replica_sets.values()))
+    rs = next(iter(dp._replica_sets.values())).for_tests()
     assert rs.in_order is compile_it
     if compile_it:
         assert dp.last_launch == "inline"

@@ -86,7 +86,7 @@ def test_no_sync_equals_plain_accumulation_with_optimizer_steps(backend, replica
 def _count_refresh_backwards(dp, counter):
     """Pre-hooks on the refresh nodes of ``dp``'s replica sets: each run is one reduction."""
     for rs in dp._replica_sets.values():
-        node = rs.tensors[1][0].grad_fn
+        node = rs.for_tests().tensors[1][0].grad_fn
         if node is not None and not any(n is node for n in counter["seen"]):
             counter["seen"].append(node)  # kept alive: ids of freed nodes are reused
             node.register_prehook(lambda grads: counter.__setitem__("runs", counter["runs"] + 1))
@@ -124,9 +124,11 @@ def test_no_sync_replica_leaves_persist_and_two_forwards_before_backward(replica
     xs = [torch.randn(8, 8) for _ in range(3)]
     with dp.no_sync():
         outs = [dp(x) for x in xs[:2]]  # two forwards, then one backward: no refresh in between
-        leaves = [t for rs in dp._replica_sets.values() for row in rs.leaves for t in row]
+        leaves = [
+            t for rs in dp._replica_sets.values() for row in rs.for_tests().leaves for t in row
+        ]
         sum(o.pow(2).sum() for o in outs).backward()
-    again = [t for rs in dp._replica_sets.values() for row in rs.leaves for t in row]
+    again = [t for rs in dp._replica_sets.values() for row in rs.for_tests().leaves for t in row]
     assert all(a is b for a, b in zip(leaves, again))  # the pending gradients' holders stayed
     dp(xs[2]).pow(2).sum().backward()
     for x in xs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ from torch.testing import assert_close
 
 import fastdp._reducer
 from fastdp import FastDataParallel, _backend, _buckets, _transports, comm
-from fastdp._replica_set import ReplicaSet
 from fastdp.testing import DTYPES, onlyMultiGPU
 
 
@@ -32,8 +32,8 @@ def _mlp(layers: int, width: int = 32) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
-def _rs(fdp: FastDataParallel) -> ReplicaSet:
-    return next(iter(fdp._replica_sets.values()))
+def _rs(fdp: FastDataParallel) -> Any:
+    return next(iter(fdp._replica_sets.values())).for_tests()
 
 
 # ---- bucket assignment -----------------------------------------------------------------------

@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from fastdp import FastDataParallel
-from fastdp._replica_set import Replicas, ReplicaSet
+from fastdp._replica_set import ReplicaSet
 
 # NOTE [ Tests under each launch strategy ]; each also with the extension allowed and forced off
 pytestmark = pytest.mark.usefixtures("launch", "backend")
@@ -279,7 +279,9 @@ def test_state_machine_catches_stale_replicas(monkeypatch, sabotage):
         monkeypatch.setattr(ReplicaSet, "valid", lambda self, verified=None: True)
     else:
         monkeypatch.setattr(
-            ReplicaSet, "refresh", lambda self, no_sync=False: Replicas(self.replicas, self)
+            ReplicaSet,
+            "refresh",
+            lambda self, no_sync=False, verified=None: list(self.for_tests().replicas),
         )
     with pytest.raises(Exception):  # noqa: B017  (an assertion or an error from a stale replica)
         Sabotaged.TestCase().runTest()

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 import fastdp
 from fastdp import sync_batchnorm
-from fastdp._launch import must_run_together
+from fastdp.sync_batchnorm import replicas_meet as must_run_together
 from fastdp.testing import replica_ids, withCUDA
 
 
