@@ -186,7 +186,7 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
       }
     }
     // One row: reduce_rows copies it, as the Python node does; a sparse gradient: reduce_rows
-    // sums it as DataParallel does (NOTE [ Sparse gradients ] in fastdp/_reducer.py).
+    // sums it as DataParallel does (`_densify_mixed` in fastdp/_reducer.py).
     local = local && r > 1 && !needed.empty();
     std::vector<uint8_t> first;
     if (local) first = first_rows(rows[0]);

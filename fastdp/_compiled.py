@@ -4,17 +4,6 @@
 (``FastDataParallel.compile`` or ``torch.compile(FastDataParallel(m))``; see
 NOTE [ Compiling the wrapper ] below). Nothing here imports ``torch._dynamo`` (2 s): a module can
 only be compiled once it is imported. The private torch APIs used live in ``_torch_private.py``.
-
-NOTE [ Compiled replicas ]
-Neither compiled form survives DataParallel's shallow copy. ``torch.compile(m)``'s
-``OptimizedModule`` forwards attribute writes to ``m``, so ``_replicate_for_data_parallel`` would
-set ``m._modules = {'_orig_mod': m}`` (endless recursion): ``replicate_module`` copies the
-``__dict__`` instead and ``finish_replica`` rebuilds ``forward`` around the replica's own
-``_orig_mod``. ``m.compile()``'s ``_compiled_call_impl`` closes over the original ``m``, so the
-replica gets the same dynamo context around its own ``_call_impl``. Both reuse the user's context
-(same options, one backend instance); dynamo guards on type and attributes, with parameters as
-inputs, so replicas on one device share entries; a rebuilt set (NOTE [ Replica invalidation ])
-is re-wrapped from the current originals, whose changed attributes fail stale code's guards.
 """
 
 from __future__ import annotations
@@ -48,6 +37,16 @@ def is_compiled(m: Module) -> bool:
 context_of_function = _torch_private.dynamo_context_of
 
 
+# NOTE [ Compiled replicas ]
+# Neither compiled form survives DataParallel's shallow copy. ``torch.compile(m)``'s
+# ``OptimizedModule`` forwards attribute writes to ``m``, so ``_replicate_for_data_parallel`` would
+# set ``m._modules = {'_orig_mod': m}`` (endless recursion): ``replicate_module`` copies the
+# ``__dict__`` instead and ``finish_replica`` rebuilds ``forward`` around the replica's own
+# ``_orig_mod``. ``m.compile()``'s ``_compiled_call_impl`` closes over the original ``m``, so the
+# replica gets the same dynamo context around its own ``_call_impl``. Both reuse the user's context
+# (same options, one backend instance); dynamo guards on type and attributes, with parameters as
+# inputs, so replicas on one device share entries; a rebuilt set (NOTE [ Replica invalidation ])
+# is re-wrapped from the current originals, whose changed attributes fail stale code's guards.
 def replicate_module(m: Module) -> Module:
     """``m._replicate_for_data_parallel()`` with empty ``_former_parameters``, safe for
     ``OptimizedModule`` (whose own ``__setattr__`` would write into the original inner module)."""
@@ -93,44 +92,28 @@ def compile_root(r: Module, ctx: Any) -> Module:
 
 
 # NOTE [ Compiled replicas run in order ]
-# A replica set running compiled code on two or more replicas runs them in turn on the caller's
-# thread every step, whatever ``launch`` says (``Order.IN_TURN`` in _launch.py: inline):
-# dynamo's cache lookup and guard evaluation are not thread-safe (pytorch #118260, #123177; on
-# threads, guards failed at random). Replicas compile in turn and reuse entries on one device;
-# kernels stay asynchronous, so distinct GPUs still overlap, but CPU replicas no longer do.
-# Replicas that meet inside a forward stay on threads (NOTE [ Replicas that must run at once ]).
-# Backward is autograd's (on distinct GPUs, one thread per device), each replica's backward
-# compiled already by its forward (NOTE [ Backward compiled with the forward ]).
+# A set running compiled code on two or more replicas runs them in turn on the caller's thread,
+# whatever ``launch`` says (``Order.IN_TURN`` in _launch.py), unless its replicas must meet (NOTE
+# [ Replicas that must run at once ]): dynamo's cache lookup and guards are not thread-safe
+# (pytorch #118260, #123177), and CUDA graph trees (``mode="reduce-overhead"``) are per thread and
+# device, so shared code on worker threads would race on one tree; in order, each device has one
+# tree whose path is recorded once. So too each backward is compiled with its forward
+# (``backward_with_forward``): across GPUs the backwards run on each device's autograd thread, and
+# inductor's compile is not thread-safe. Kernels stay asynchronous: distinct GPUs still overlap.
 
 
-# NOTE [ CUDA graphs on replicas ]
-# mode="reduce-overhead" (and "max-autotune", backend="cudagraphs") replays CUDA graphs through
-# torch/_inductor/cudagraph_trees.py, whose tree managers (one pool each, no lock) are per thread
-# and device: a compiled function binds the manager of the thread that first ran it, and a
-# backward replays in the tree of the thread that called ``backward``. Replicas share compiled
-# code, so on worker threads they would race on one tree; run in order on the caller's thread
-# (NOTE [ Compiled replicas run in order ]), each device has one tree whose path (one node per
-# replica's forward, in a fixed order) is recorded once. Persistent replica tensors and no_sync's
-# leaves keep their addresses, so ``mark_static`` makes them static inputs (not copied on every
-# replay; "unguarded": a changed address, after ``_renew`` or a rebuild, re-records once).
-
-
-# NOTE [ One compile budget per device ]
 # Dynamo guards on each tensor input's device, so replicas that share one cache entry on one
-# device (NOTE [ Compiled replicas ]) need one entry per device across GPUs: k devices fill k
-# entries of the code object's cache per variant (train, eval, no_grad, a partial batch), and
-# at ``recompile_limit`` (default 8) dynamo runs new variants eager with a warning. The cache
-# is per code object, so a budget per device is a limit scaled by the replicas:
-# ``budget_for(n)`` raises ``recompile_limit`` (and ``accumulated_recompile_limit``) to the
-# user's own value times ``n``, never lowers them, and starts again from a value the user set
-# since. One compiled callable per device would not help: dynamo's cache is on the code object,
-# not on the callable. (tests/test_compiled_replicas.py: a guarded attribute per replica.)
+# device (NOTE [ Compiled replicas ]) need one entry per device across GPUs, per variant (train,
+# eval, no_grad, a partial batch); past ``recompile_limit`` dynamo runs new variants eager with a
+# warning. The cache is per code object (one compiled callable per device would not help), so
+# ``budget_for(n)`` raises ``recompile_limit`` and ``accumulated_recompile_limit`` to the user's
+# own value times ``n``, never lowers them, and starts again from a value the user set since.
 _budget: dict[str, int] = {}
 
 
 def budget_for(num_replicas: int) -> None:
-    """Scale dynamo's recompile limits to ``num_replicas`` (see
-    NOTE [ One compile budget per device ]); a no-op before ``torch._dynamo`` is imported."""
+    """Scale dynamo's recompile limits to ``num_replicas`` (one budget per device: see the
+    comment above); a no-op before ``torch._dynamo`` is imported."""
     cfg = _torch_private.dynamo_module("config")
     if cfg is None or num_replicas <= 1:
         return
@@ -144,18 +127,14 @@ def budget_for(num_replicas: int) -> None:
         _budget[name + ".set"] = want
 
 
-# NOTE [ Backward compiled with the forward ]
-# AOT autograd compiles a backward lazily, on its first call. Compiled replicas run forward in
-# order on the caller's thread (NOTE [ Compiled replicas run in order ]), but across GPUs their
-# backwards run on each device's autograd thread: lazy compiles of one step would run at once,
-# and inductor's compile is not thread-safe. ``backward_with_forward()`` sets functorch's
-# ``force_non_lazy_backward_lowering`` around the in-order forwards, so each backward is compiled
-# with its forward, in turn, on the caller's thread (a forward never run backward still pays for
-# its backward's compile: the price of no lock in backward). Only for sets with copy rows
-# (replicas on other devices, or CPU replicas under FASTDP_CPU_DISTINCT=1, which stand in for
-# them): replicas sharing the originals' device have one autograd thread, so lazy is safe there.
-# Set and restored as ``cfg.patch`` does (prior value back), without the class ``patch`` builds
-# per call (34 us a step; the two writes cost 9), and not at all where it is on already.
+# AOT autograd compiles a backward lazily, on its first call; ``backward_with_forward()`` sets
+# functorch's ``force_non_lazy_backward_lowering`` around the in-order forwards, so each backward
+# is compiled with its forward on the caller's thread (NOTE [ Compiled replicas run in order ]; a
+# forward never run backward still pays for its backward's compile: the price of no lock in
+# backward). Only for sets with copy rows (replicas on other devices, or CPU replicas under
+# FASTDP_CPU_DISTINCT=1): replicas sharing the originals' device have one autograd thread, so lazy
+# is safe there. Set and restored as ``cfg.patch`` does (prior value back), without the class
+# ``patch`` builds per call, and not at all where it is on already.
 @contextmanager
 def backward_with_forward() -> Iterator[None]:
     cfg = _torch_private.functorch_config()
@@ -172,7 +151,9 @@ def backward_with_forward() -> Iterator[None]:
 
 
 def mark_static(tensors: Any) -> None:
-    """Mark persistent replica tensors as static graph inputs (NOTE [ CUDA graphs on replicas ])."""
+    """Mark persistent replica tensors as static graph inputs: they keep their addresses, so a
+    CUDA graph replay does not copy them ("unguarded": a changed address, after a renewal or a
+    rebuild, re-records once; NOTE [ Compiled replicas run in order ])."""
     for row in tensors:
         for t in row:
             t._dynamo_static_input_type = "unguarded"

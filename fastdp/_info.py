@@ -13,7 +13,7 @@ _STAGES = {
     "scatter": "scatter_chunks",
     "gather": "gather_into",
 }
-# NOTE [ Buckets ], NOTE [ One reducer ]: the same engine whatever the extension does.
+# NOTE [ Buckets ], ``_reducer.reduce_add``: the same engine whatever the extension does.
 _ENGINE = (
     "engine: flat buckets; CPU transport (copies, sums); CUDA transport "
     "(torch's broadcast/reduce_add: NCCL between distinct GPUs, else copies)"

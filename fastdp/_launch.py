@@ -285,7 +285,7 @@ class Order(enum.Enum):
     TOGETHER = "together"
     # compiled code on several replicas: in turn, inline (NOTE [ Compiled replicas run in order ])
     IN_TURN = "in_turn"
-    # in turn, each backward compiled with its forward (NOTE [ Backward compiled with the forward ])
+    # in turn, each backward compiled with its forward (NOTE [ Compiled replicas run in order ])
     IN_TURN_COMPILING_BACKWARD = "in_turn_compiling_backward"
 
 

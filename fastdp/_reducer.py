@@ -1,39 +1,6 @@
 """The gradient side of the replicas, shaped like DDP's ``Reducer``: ``reduce_add`` (the one
 sum), the per-bucket autograd nodes that call it, and ``Reducer``, one per replica set (its
 nodes, their liveness, unreached buckets, ``no_sync()``'s leaves and fold).
-
-NOTE [ One reducer ]
-Every cross-replica sum of the package goes through ``reduce_add``: the persistent replicas'
-backward (one ``BucketReduce`` node per bucket), ``no_sync()``'s fold, and
-``fastdp.comm.reduce_add_coalesced`` (``persistent=False``'s ``Broadcast`` backward). Per bucket
-it packs each replica's gradients into one flat (one ``cat`` per replica), sums the flats that
-are already on the destination, reduces the rest with one transport call (NOTE [ Transports ] in
-``fastdp/_transports.py``) and returns views of the sum. Under ``create_graph=True`` the sum is made
-of differentiable ops instead; sparse gradients as NOTE [ Sparse gradients ] says; when every
-gradient is on the destination (CPU replicas, repeated GPU ids) one multi-tensor add per replica
-needs no pack.
-
-NOTE [ Early reduction ]
-Each bucket's node returns the replicas' tensors of that bucket and, in backward, their sum to
-the originals (so ``.grad``, hooks on the originals, ``autograd.grad`` and double backward see
-DataParallel's total). Autograd runs ready nodes highest sequence number first, and a node made
-before the forward would wait for the whole backward; so each node gets ``AccumulateGrad``'s
-sequence number (the maximum) and runs once every replica's gradients for its bucket exist, while
-earlier layers are still in backward: DDP's early bucket launch, in one process. With the
-extension the node is C++ (``csrc/bucket_reduce.cpp``, made once per tensor set): it sums
-same-device rows itself and calls Python once per bucket, not per gradient; rows on other devices
-go to ``reduce_add``. Without it, ``BucketReduce`` below, made every step.
-
-NOTE [ no_sync ]
-Under ``no_sync()`` (DDP's API, decided at forward time) replicas run on leaves (``detach()``
-views of the replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is
-reduced, so ``M`` micro-steps cost two reductions (a fold and the last step's), not ``M``. The
-next grad-enabled forward outside folds every generation of leaves (tensors renewed mid-cycle
-get new leaves; the old keep what graphs still owe them) into the originals' ``.grad``: plain
-accumulation. A probe on each row's first leaf tells whether a micro-step's backward has run:
-until it has, a refresh renews what that graph saved instead of overwriting it, and a fold
-runs again when it ends (an engine callback). Copy rows are refilled every micro-step
-(``.data`` edits bump no version). ``zero_grad()`` drops pending gradients.
 """
 
 from __future__ import annotations
@@ -53,6 +20,13 @@ from fastdp._compiled import mark_static
 from fastdp._transports import count, transport_for
 
 
+# Every cross-replica sum of the package goes through ``reduce_add``: the persistent replicas'
+# backward (one bucket node per bucket), ``no_sync()``'s fold, and ``comm.reduce_add_coalesced``
+# (``persistent=False``'s ``Broadcast`` backward). Per bucket it packs each replica's gradients
+# into one flat, sums the flats already on the destination, reduces the rest with one transport
+# call (``fastdp/_transports.py``) and returns views of the sum. Under ``create_graph=True`` the
+# sum is made of differentiable ops; when every row is on the destination (CPU replicas, repeated
+# GPU ids) one multi-tensor add per replica needs no pack.
 def reduce_add(
     rows: Sequence[Sequence[torch.Tensor]],
     dest: torch.device,
@@ -60,7 +34,7 @@ def reduce_add(
     stats: dict[str, int] | None = None,
     nbytes: int | None = None,
 ) -> list[torch.Tensor]:
-    """``result[k] = rows[0][k] + rows[1][k] + ...`` on ``dest`` (NOTE [ One reducer ]).
+    """``result[k] = rows[0][k] + rows[1][k] + ...`` on ``dest``: the package's one sum.
 
     Rows are replicas, in order; each row lives on one device. Sums run in row order (the
     transport's order between distinct GPUs). Results never alias an input. ``nbytes``: the
@@ -105,14 +79,13 @@ def _sum_each(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> lis
     return out
 
 
-# NOTE [ Sparse gradients ]
-# A tensor's gradients over the replicas are summed as torch's ``comm.reduce_add_coalesced``
-# sums them for DataParallel: all sparse (an embedding with ``sparse=True`` that every replica
-# used), a sparse sum; a mix of layouts (a replica that skipped it gets dense zeros), each made
-# dense first, then a dense sum. Only a dense first row can take the multi-tensor adds as they
-# are: a dense sum adds a sparse gradient into itself, a sparse one cannot take a dense one.
+# Sparse gradients are summed as torch's ``comm.reduce_add_coalesced`` sums them for
+# DataParallel: all sparse (an embedding with ``sparse=True`` that every replica used), a sparse
+# sum; a mix of layouts (a replica that skipped it gets dense zeros), each made dense first, then a
+# dense sum. Only a dense first row can take the multi-tensor adds as they are: a dense sum adds a
+# sparse gradient into itself, a sparse one cannot take a dense one.
 def _densify_mixed(column: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One tensor's gradients over the replicas, all sparse or all dense (see NOTE above)."""
+    """One tensor's gradients over the replicas, all sparse or all dense (see above)."""
     layouts = {g.layout for g in column}
     if len(layouts) == 1:
         return column
@@ -144,7 +117,7 @@ def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[t
 
 def _reduce_sparse_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
     """A bucket with sparse gradients: the all-sparse columns summed one by one (sparse), the
-    others (mixed ones made dense) as a dense bucket (NOTE [ Sparse gradients ])."""
+    others (mixed ones made dense) as a dense bucket (see ``_densify_mixed``)."""
     sparse = [
         k for k in range(len(rows[0])) if not any(row[k].layout == torch.strided for row in rows)
     ]
@@ -188,31 +161,18 @@ class Probe(Pending):
             _torch_private.queue_engine_callback(then)
 
 
+# NOTE [ Unreached buckets ]
+# A bucket none of whose tensors took part in the forward is not reached by autograd, where
+# DataParallel's one Broadcast node gives every parameter a gradient (zeros if unused). With the
+# extension, the first bucket node of a backward asks the engine which sources it accumulates into
+# (``csrc/graph_task.cpp``: Python cannot ask) and queues a callback that gives the buckets that
+# did not run zeros where ``.grad`` is None. Without it, a set of two or more buckets links every
+# step an anchor (``UnreachedAnchor``): every source is its input, every bucket node takes its
+# output, so any reached bucket reaches every source, and the anchor gives the unrun buckets'
+# sources zeros, which the engine accumulates, captures or drops as the backward asks. Its cost
+# (the sums live to the end of backward): bench/results/cpu-2core-2026-11-26-anchor.
 class BucketGroup:
-    """The buckets of one replica set within one backward.
-
-    NOTE [ Unreached buckets ]
-    A bucket none of whose tensors took part in the forward is not reached by autograd, where
-    DataParallel's single Broadcast node gives every parameter a gradient (zeros for unused
-    ones). With the extension, the first bucket node that runs in a backward (a graph task) asks
-    the engine which sources that backward accumulates into (every leaf for ``.backward()``, the
-    named ones for ``inputs=``, none for ``autograd.grad``) and queues an engine callback: when
-    the backward ends, those of the buckets that did not run get zeros where ``.grad`` is None
-    and they require grad. Only C++ can ask that (``csrc/graph_task.cpp``: torch's Python
-    ``_will_engine_execute_node`` says False for a leaf the graph does not reach, named or not).
-    Without the extension a set of two or more buckets links one more node, the anchor
-    (``UnreachedAnchor``): its inputs are every source, its output is an input of every bucket
-    node, so any reached bucket reaches it and through it every source. It runs after the
-    bucket nodes and gives zeros to the sources of the buckets that did not run; the engine then
-    does with them what it does with DataParallel's zeros (accumulates, captures or drops them as
-    the backward asks). The cost, on mlp1000 (2,000 parameters, two buckets): 3 % of CPU time a
-    step in one process (its own edge per source; freeing the sums early does not take it
-    back), 5-8 % across processes, where the sums alive to the end of backward make glibc trim
-    and grow the heap (bench/results/cpu-2core-2026-11-26-anchor, ...-noext-cost). It is
-    linked every step because the kind of backward is known only in backward: linked after the
-    fact, the first ``backward(inputs=...)`` would give a named parameter None where DataParallel
-    gives zeros, and an optimizer with weight decay a different step.
-    """
+    """The buckets of one replica set within one backward."""
 
     __slots__ = ("sources", "flat", "ran", "queued", "task")
 
@@ -300,10 +260,20 @@ class BucketLink:
         return reduce_add(rows, self.dest, stats=self.stats, nbytes=self.nbytes)
 
 
+# NOTE [ Early reduction ]
+# Each bucket's node returns the replicas' tensors of its bucket and, in backward, their sum to
+# the originals (so ``.grad``, hooks, ``autograd.grad`` and double backward see DataParallel's
+# total). Autograd runs ready nodes highest sequence number first: a node gets AccumulateGrad's
+# (the maximum) and runs once every replica's gradients for its bucket exist, while earlier layers
+# are still in backward (DDP's early launch). While a source has a post-accumulate-grad hook the
+# nodes get the lowest instead: they run after the nested backwards of reentrant checkpoints, as
+# DataParallel's Broadcast does, so the hook sees each sum once. With the extension the node is
+# C++ (``csrc/bucket_reduce.cpp``, made once per tensor set, one Python call per bucket); without
+# it, ``BucketReduce``, made every step.
 class BucketReduce(Function):
     """``BucketReduce.apply(link, rows, anchor, *sources)`` -> ``rows`` flattened row-major: the
-    persistent replica tensors themselves become outputs of this node (see
-    NOTE [ Early reduction ]); backward sums them onto the sources with ``reduce_add``.
+    persistent replica tensors themselves become outputs of this node; backward sums them onto
+    the sources with ``reduce_add``.
     ``anchor``: the set's ``UnreachedAnchor`` output, None for a one-bucket set."""
 
     @staticmethod
@@ -417,7 +387,7 @@ def fold(
     stats: dict[str, int] | None = None,
 ) -> int:
     """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
-    in-place add) through the one reducer (NOTE [ One reducer ]); returns how many sources
+    in-place add) through ``reduce_add``; returns how many sources
     received gradients. A source that requires grad and that no replica computed a gradient
     for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one).
     The leaves' ``.grad`` are taken (None after): a graph still to run its backward adds anew."""
@@ -452,12 +422,20 @@ def fold(
     return received
 
 
+# NOTE [ no_sync ]
+# Under ``no_sync()`` (decided at forward time) replicas run on leaves (``detach()`` views of the
+# replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is reduced until
+# the next grad-enabled forward outside, which folds every generation of leaves (tensors renewed
+# mid-cycle get new leaves; the old keep what graphs still owe them) into the originals' ``.grad``
+# by plain accumulation. A probe on each row's first leaf tells whether a micro-step's backward
+# has run: until it has, a refresh renews what that graph saved instead of overwriting it, and a
+# fold runs again when it ends (an engine callback). Copy rows are refilled every micro-step
+# (``.data`` edits bump no version). ``zero_grad()`` drops pending gradients.
 class Reducer:
     """The gradient side of one replica set (DDP's ``Reducer``, in one process): which sources
     each reduce node serves, the nodes (made once per tensor set with the extension, every step
-    without: NOTE [ Early reduction ]), whether the last step's graph still needs them,
-    unreached buckets (NOTE [ Unreached buckets ]) and the leaves of NOTE [ no_sync ].
-    Communication is the transports' (NOTE [ Transports ] in ``fastdp/_transports.py``).
+    without), whether the last step's graph still needs them, unreached buckets and the leaves
+    of ``no_sync()``. Communication is the transports' (``fastdp/_transports.py``).
 
     Its one caller is the replica set, which owns the replica tensors: ``start_step`` and
     ``arm`` once a step, ``link`` when its tensors are new, ``graph_alive`` before it overwrites
@@ -484,7 +462,7 @@ class Reducer:
         self._pending = Pending(False)  # whether the last step's graph awaits its backward
         self._probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
         self._nodes: list[Any] = []  # the bucket nodes (their turn: _set_turns)
-        self._early = True  # the nodes' turn: NOTE [ Early reduction ] or NOTE [ Late reduction ]
+        self._early = True  # the nodes' turn: NOTE [ Early reduction ]
         self._rows: tuple = (None, [])  # (tensors, per bucket its rows of them)
         self._leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]; None outside
         self._retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
@@ -518,7 +496,10 @@ class Reducer:
         self._nodes = []
         with torch.enable_grad(), torch.inference_mode(False):
             anchor = None
-            if not self._native and len(self._buckets) > 1:  # NOTE [ Unreached buckets ]
+            # NOTE [ Unreached buckets ]. Linked every step: the kind of backward is known only in
+            # backward, and linked after the fact, a first ``backward(inputs=...)`` would leave a
+            # named parameter None where DataParallel gives zeros.
+            if not self._native and len(self._buckets) > 1:
                 anchor = UnreachedAnchor.apply(self._group, *self._group.flat)
             pairs = zip(self._rows[1], self._bucket_sources)
             for b, (rows, (sources, size)) in enumerate(pairs):
@@ -560,18 +541,14 @@ class Reducer:
             self._early = early
             self.link(tensors, Pending(True))
 
-    # NOTE [ Late reduction ]
-    # A post-accumulate-grad hook acts on ``.grad`` itself, so it sees how many times and in
-    # which order the bucket nodes accumulate. A backward may reach a node more than once: each
-    # replica's reentrant checkpoint recomputes in a nested backward that reaches it again.
-    # DataParallel's one ``Broadcast`` node runs last in the outer backward when its sequence
-    # number is older than the forward's; the early node would run before the nested ones and the
-    # hook would act again on the finished gradient. So while a source has such a hook, the nodes
-    # get the lowest sequence number: they run after the nested backwards (no early reduction),
-    # unless a checkpoint node ties at 0 (the first node a fresh worker thread makes).
+    # The late turn: a post-accumulate-grad hook acts on ``.grad`` itself, so it sees how many
+    # times and in which order the nodes accumulate. A backward may reach a node more than once
+    # (each replica's reentrant checkpoint recomputes in a nested backward that reaches it
+    # again); DataParallel's one ``Broadcast`` node runs last in the outer backward. So while a
+    # source has such a hook the nodes get the lowest sequence number and run after the nested
+    # backwards, unless a checkpoint node ties at 0 (the first node a fresh worker thread makes).
     def _set_turns(self) -> None:
-        """Each node's turn in backward: the earliest (NOTE [ Early reduction ]) or the last
-        (NOTE [ Late reduction ])."""
+        """Each node's turn in backward, the earliest or the last (NOTE [ Early reduction ])."""
         nr = _torch_private.MAX_SEQUENCE_NR if self._early else 0
         for node in self._nodes:
             _torch_private.set_sequence_nr(node, nr)
@@ -594,7 +571,7 @@ class Reducer:
             self._retired.append(self._leaves)
         self._leaves = make_leaves(tensors, self._sources)
         self._probe_nodes = []
-        if in_order:  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
+        if in_order:  # NOTE [ Compiled replicas run in order ]: inputs at fixed addresses
             mark_static(self._leaves)
 
     def watch(self) -> None:

@@ -206,7 +206,7 @@ class ReplicaSet:
         # before the snapshots below: see NOTE [ Compiled replicas ]
         finish_tree(self._net, copies, compiled=self._ctx is not None)
         roots = [compile_root(row[0], self._ctx) for row in copies]
-        if self._in_turn():  # NOTE [ CUDA graphs on replicas ]: inputs at fixed addresses
+        if self._in_turn():  # NOTE [ Compiled replicas run in order ]: inputs at fixed addresses
             mark_static(self._tensors)
             mark_static(self._buffer_copies)
         self._copies = copies

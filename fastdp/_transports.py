@@ -1,7 +1,6 @@
 """Transports: the device-specific half of every broadcast and reduce, behind one interface,
 and the counters of ``comm_stats()``.
 
-NOTE [ Transports ]
 Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
 own ``broadcast(out=)`` and ``reduce_add`` (``torch.nn.parallel.comm``, which ``torch.cuda.comm``
 re-exports only once imported): one NCCL call (torch's cached communicators) when the flats sit
@@ -9,14 +8,6 @@ on distinct GPUs, copies otherwise (repeated ids). Everything runs on the callin
 current stream of each device: the caller's streams for a refresh (the replicas then run on the
 same streams, NOTE [ The caller's streams ]), the streams autograd gives the bucket's node for a
 reduce.
-
-NOTE [ Streams of a reduce across devices ]
-Autograd runs a bucket's node on a stream of the destination that waited for every incoming
-gradient; rows on other GPUs are read on this thread's current streams of their devices (in an
-autograd device thread, their default streams), which waited for nothing. So ``order_reads`` makes
-each of those streams wait on an event recorded on the destination's stream, and records each such
-row on the stream that reads it (its block is not reused before the read). torch's NCCL calls hold
-CUDA's free mutex (``AutoNcclGroup``): two nodes on different device threads never overlap them.
 """
 
 from __future__ import annotations
@@ -91,6 +82,14 @@ class _CpuTransport:
         return None  # one stream of work per CPU device: nothing to order
 
 
+# NOTE [ Streams of a reduce across devices ]
+# Autograd runs a bucket's node on a stream of the destination that waited for every incoming
+# gradient; rows on other GPUs are read on this thread's current streams of their devices (in an
+# autograd device thread, their default streams), which waited for nothing. So ``order_reads``
+# makes each of those streams wait on an event recorded on the destination's stream, and records
+# each such row on the stream that reads it (its block is not reused before the read). torch's
+# NCCL calls hold CUDA's free mutex (``AutoNcclGroup``): two nodes on different device threads
+# never overlap them.
 class _CudaTransport:
     name = "cuda"
 

@@ -160,7 +160,7 @@ def reduce_add_coalesced(
     """Position-wise sums over devices: ``result[i] = sum(inputs[d][i] for d)`` on ``destination``.
 
     ``destination=None`` means the device of ``inputs[0]``. The one reduction of the package
-    (NOTE [ One reducer ] in ``fastdp/_reducer.py``): buckets of at most ``buffer_size`` bytes,
+    (``reduce_add`` in ``fastdp/_reducer.py``): buckets of at most ``buffer_size`` bytes,
     summed in list order (between distinct GPUs in NCCL's order, within float tolerance).
     """
     inputs = [list(x) for x in inputs]

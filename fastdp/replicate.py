@@ -74,7 +74,7 @@ def point_parameter(replica: Module, key: str, t: torch.Tensor) -> None:
 
 def finish_tree(modules: list[Module], copies: list[list[Module]], compiled: bool) -> None:
     """After the tensors are set: each replica finished from its module; with ``compiled``
-    code the compile budget scaled to the replicas (NOTE [ One compile budget per device ])."""
+    code the compile budget scaled to the replicas (``_compiled.budget_for``)."""
     for row in copies:
         for m, r in zip(modules, row):
             finish_replica(m, r)

@@ -308,7 +308,7 @@ def test_compiled_replicas_run_in_order_whatever_the_launch(launch, compile_it):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
 def test_reduce_overhead_on_replicas_sharing_one_gpu():
-    """See NOTE [ CUDA graphs on replicas ]: unverified until a GPU run."""
+    """See NOTE [ Compiled replicas run in order ]: unverified until a GPU run."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)).cuda()
     ref = copy.deepcopy(net)

@@ -144,7 +144,7 @@ def test_replicas_on_every_gpu_stay_compiled_through_eval_and_partial_batches(ca
 
 
 def test_replicas_on_one_device_compile_their_backward_lazily(monkeypatch):
-    """NOTE [ Backward compiled with the forward ]: replicas sharing the originals' device have
+    """``backward_with_forward`` (fastdp/_compiled.py): replicas sharing the originals' device have
     one autograd thread, so functorch's lazy backward compile stays (no per-step flag)."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0")
     calls: list = []
@@ -157,7 +157,7 @@ def test_replicas_on_one_device_compile_their_backward_lazily(monkeypatch):
 
 
 def test_the_backward_lowering_flag_is_restored_after_each_step(monkeypatch):
-    """NOTE [ Backward compiled with the forward ]: the user's value of functorch's flag is back
+    """``backward_with_forward`` (fastdp/_compiled.py): the user's value of functorch's flag is back
     after every step (its effect inside: the test above), and True set by the user stays."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
     cfg = _torch_private.functorch_config()
