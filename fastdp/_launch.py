@@ -5,16 +5,15 @@ strategies call are ``fastdp/_runners.py``, the wrapper's worker threads ``fastd
 
 Adding a strategy is one ``Strategy`` subclass and one entry in ``_STRATEGIES``.
 
-NOTE [ Launch strategies ]
-``threads``: one persistent worker per replica, as DataParallel's threads; replicas overlap where
-they release the GIL, but a dispatch-bound forward (small layers; any forward on a GPU, whose
-kernels are asynchronous) runs slower than in turn. ``inline``: replicas in turn on the caller's
-thread, under its streams and grad/autocast state; distinct GPUs still overlap (asynchronous
-launches). ``auto`` (default): per (devices, input structure, grad mode) both are timed on
-alternate steps (``WARMUP``, then ``TRIALS`` each), the lower median forward is kept and re-tried
-every ``RECHECK`` steps. Errors, Ctrl-C and cleanup are the same under every strategy. Replicas
-that meet inside forward always run on threads (NOTE [ Replicas that must run at once ]).
-``launch=`` or ``FASTDP_LAUNCH`` forces one.
+The strategies (docs/how-it-works.md, *Launch strategies*). ``threads``: one persistent worker per
+replica, as DataParallel's threads; replicas overlap where they release the GIL, but a
+dispatch-bound forward (small layers; any forward on a GPU, whose kernels are asynchronous) runs
+slower than in turn. ``inline``: replicas in turn on the caller's thread, under its streams and
+grad/autocast state; distinct GPUs still overlap (asynchronous launches). ``auto`` (default): per
+(devices, input structure, grad mode) both are timed on alternate steps (``WARMUP``, then ``TRIALS``
+each), the lower median forward is kept and re-tried every ``RECHECK`` steps. Errors, Ctrl-C and
+cleanup are the same under every strategy. Replicas that meet inside forward always run on threads
+(NOTE [ Replicas that must run at once ]). ``launch=`` or ``FASTDP_LAUNCH`` forces one.
 """
 
 from __future__ import annotations
@@ -169,8 +168,8 @@ class _Entry:
 
 
 class Auto(Strategy):
-    """Measures the strategies of ``_TRIED`` per key and keeps the faster (NOTE [ Launch
-    strategies ]); a one-off call (no pool) runs on threads."""
+    """Measures the strategies of ``_TRIED`` per key and keeps the faster (the module
+    docstring); a one-off call (no pool) runs on threads."""
 
     name = "auto"
 

@@ -3,22 +3,11 @@ scatter: the devices, the batch-size rule, uneven splits (``chunk_sizes=`` / ``b
 each input leaf with its dim and chunk sizes (its *split*), which the scatter
 (``fastdp/scatter_gather.py``) executes without deciding anything again.
 
-NOTE [ DataParallel's chunking ]
-Each tensor leaf is chunked as ``torch.chunk`` chunks it (``split = ceil(size / n)``, so a leaf
-may yield fewer than ``n`` chunks; ``n`` chunks of 0 for an empty leaf). As DataParallel's
-``scatter`` ``zip``s its containers, the step runs as many replicas as the leaf with the fewest
-chunks has: the other leaves' extra chunks (their last rows) are dropped. HF Trainer relies on it
-(``num_items_in_batch`` has one row per GPU, so a partial last batch drops its spare rows). The
-wrapper warns once naming the dropped leaves, or raises with ``strict_chunks=True``. With explicit
-``chunk_sizes`` (one per device) leaves of size ``sum(chunk_sizes)`` take them; others are chunked
-by ``torch.chunk`` over as many devices and truncated the same way.
-
-NOTE [ Uneven splits ]
-``FastDataParallel(..., chunk_sizes=[...])`` fixes the rows each device gets (they must sum to the
-batch); ``balance=[w0, w1, ...]`` turns relative shares into sizes for whatever batch comes, by
-largest-remainder rounding (quota ``B * w_i / sum(w)``, floors, then one more row to the largest
-fractional parts, ties to the lower device index). Devices that get 0 rows are skipped: replicas
-run only on the others, and outputs are gathered in device order.
+Uneven splits: ``FastDataParallel(..., chunk_sizes=[...])`` fixes the rows each device gets (they
+must sum to the batch); ``balance=[w0, w1, ...]`` turns relative shares into sizes for whatever
+batch comes, by largest-remainder rounding (quota ``B * w_i / sum(w)``, floors, then one more row to
+the largest fractional parts, ties to the lower device index). Devices that get 0 rows are skipped:
+replicas run only on the others, and outputs are gathered in device order.
 """
 
 from __future__ import annotations
@@ -58,6 +47,15 @@ def _torch_chunk(size: int, num_devices: int) -> tuple[int, ...]:
     return tuple(chunk_sizes_for(size, num_devices))
 
 
+# NOTE [ DataParallel's chunking ]
+# Each tensor leaf is chunked as ``torch.chunk`` chunks it (``split = ceil(size / n)``, so a leaf
+# may yield fewer than ``n`` chunks; ``n`` chunks of 0 for an empty leaf). As DataParallel's
+# ``scatter`` ``zip``s its containers, the step runs as many replicas as the leaf with the fewest
+# chunks has: the other leaves' extra chunks (their last rows) are dropped. HF Trainer relies on it
+# (``num_items_in_batch`` has one row per GPU, so a partial last batch drops its spare rows). The
+# wrapper warns once naming the dropped leaves, or raises with ``strict_chunks=True``. With explicit
+# ``chunk_sizes`` (one per device) leaves of size ``sum(chunk_sizes)`` take them; others are chunked
+# by ``torch.chunk`` over as many devices and truncated the same way.
 def _splits(
     leaf_sizes: Sequence[int], num_devices: int, chunk_sizes: Sequence[int] | None
 ) -> tuple[list[Sequence[int]], list[int]]:

@@ -1,15 +1,4 @@
-"""Persistent replicas: built once per device tuple, refreshed every step, never stale.
-
-NOTE [ Persistent replicas ]
-A ``ReplicaSet`` clones the module tree once (``clone_tree``). Replica 0's tensors alias the
-originals (storage and version counter, as DataParallel's); replicas on the originals' device
-alias the storage with their own version counters; the others live in per-bucket flats that the
-engine refreshes each step (NOTE [ Buckets ]); buffers of replicas 1.. are always copies. One
-reduce node per bucket links the replicas to the originals (NOTE [ Early reduction ]); with the
-extension the nodes serve every step, and when a step's graph is still alive at the next
-refresh the set renews its tensors and nodes rather than overwrite what the graph needs.
-Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled replicas ].
-"""
+"""Persistent replicas: built once per device tuple, refreshed every step, never stale."""
 
 from __future__ import annotations
 
@@ -30,12 +19,12 @@ from fastdp._reducer import _HOOKS, _VERSION, Reducer, has_grad_hooks
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.replicate import check_replicatable, clone_tree, finish_tree, point_parameter
 
-# NOTE [ RNN replicas ]
-# RNNBase keeps its weights in a list and weakrefs to them; when a ref no longer matches the
-# attribute, forward rebuilds both (a Python __setattr__ each, which dirties the replica) and
-# calls flatten_parameters(), which on cuDNN moves the tensors onto a new buffer (``set_``) so
-# they stop seeing the refreshes. A slot assignment points both at the replica's tensors, so
-# forward never rebuilds them; after a restore of the replicas' dicts they are pointed again.
+# RNN replicas: RNNBase keeps its weights in a list and weakrefs to them; when a ref no longer
+# matches the attribute, forward rebuilds both (a Python __setattr__ each, which dirties the
+# replica) and calls flatten_parameters(), which on cuDNN moves the tensors onto a new buffer
+# (``set_``) so they stop seeing the refreshes. A slot assignment points both at the replica's
+# tensors, so forward never rebuilds them; after a restore of the replicas' dicts they are pointed
+# again.
 _RNN_CACHE = ("_flat_weights", "_flat_weight_refs")
 _SHARED_WRITE = (
     "fastdp: a forward wrote in place to a frozen parameter that replicas on the same device share "
@@ -82,6 +71,15 @@ class Slots(enum.Enum):
     LEAVES = "leaves"  # the reducer's no_sync leaves (NOTE [ no_sync ] in fastdp/_reducer.py)
 
 
+# NOTE [ Persistent replicas ]
+# A ``ReplicaSet`` clones the module tree once (``clone_tree``). Replica 0's tensors alias the
+# originals (storage and version counter, as DataParallel's); replicas on the originals' device
+# alias the storage with their own version counters; the others live in per-bucket flats that the
+# engine refreshes each step (NOTE [ Buckets ]); buffers of replicas 1.. are always copies. One
+# reduce node per bucket links the replicas to the originals (NOTE [ Early reduction ]); with the
+# extension the nodes serve every step, and when a step's graph is still alive at the next
+# refresh the set renews its tensors and nodes rather than overwrite what the graph needs.
+# Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled replicas ].
 class ReplicaSet:
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals): the module
     copies, their tensors and slots, and the gradient side (a ``Reducer``).
@@ -118,7 +116,7 @@ class ReplicaSet:
         self._bufs = [b for b in buffers if not b.requires_grad]  # copied to replicas 1..
         self._watched = self._sources + self._bufs  # what tensor_signature checks
         self._any_grad = any(s.requires_grad for s in self._sources)  # backward reduces
-        # the RNNs among ``_net``, whose weight lists are pointed again (NOTE [ RNN replicas ])
+        # the RNNs among ``_net``, whose weight lists are pointed again (see ``_RNN_CACHE``)
         self._rnn_rows = [i for i, m in enumerate(modules) if hasattr(m, "_flat_weights_names")]
         self._linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
         alias = not _buckets.cpu_distinct()  # replicas on the originals' device share storage
@@ -396,14 +394,15 @@ class ReplicaSet:
                 self._warned_shared = True
                 warnings.warn(_SHARED_WRITE, UserWarning, stacklevel=5)
 
+    # NOTE [ Tensors a forward changed ]
+    # DataParallel's replica tensors are new every step; persistent ones are not, so what a
+    # forward does to one would outlive the step: ``.data =`` (the replica would keep that
+    # storage and never see a refresh again) or a hook (it would run once more every step).
+    # Each step checks every tensor the replicas hold (one pass in C++; without the extension
+    # one C-level pass for storage, one for hooks); a changed set gets fresh tensors (and
+    # nodes), as DataParallel's would be.
     def _tainted(self) -> bool:
-        """NOTE [ Tensors a forward changed ]
-        DataParallel's replica tensors are new every step; persistent ones are not, so what a
-        forward does to one would outlive the step: ``.data =`` (the replica would keep that
-        storage and never see a refresh again) or a hook (it would run once more every step).
-        Each step checks every tensor the replicas hold (one pass in C++; without the extension
-        one C-level pass for storage, one for hooks); a changed set gets fresh tensors (and
-        nodes), as DataParallel's would be."""
+        """Whether a forward replaced the storage of, or hooked, a tensor the replicas hold."""
         held = self._held
         if self._held_check is not None:  # sealed with the extension: held_data_ptrs
             return self._held_check(held, self._held_ptrs)
@@ -494,8 +493,7 @@ def _launch_order(modules: list[Module], n: int, ctx: Any, copy_rows: bool) -> O
     """How the replicas of ``modules`` on ``n`` devices must run: together where they meet in
     forward (SyncBatchNorm, replication callbacks; NOTE [ Replicas that must run at once ]),
     else in turn where several run compiled code (NOTE [ Compiled replicas run in order ];
-    with copy rows each backward compiled with its forward: NOTE [ Backward compiled with the
-    forward ]), else as the strategy says."""
+    with copy rows each backward compiled with its forward), else as the strategy says."""
     from fastdp.sync_batchnorm import _syncable
 
     if any(_syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in modules):

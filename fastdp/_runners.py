@@ -91,12 +91,11 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
         stack.enter_context(torch.cuda.stream(stream))
 
 
-# NOTE [ Ctrl-C during a step ]
-# A KeyboardInterrupt must reach the caller promptly. A real SIGINT interrupts Thread.join, but
-# _thread.interrupt_main (IPython, timers) only sets a flag that is checked between bytecodes, so
-# joins wake every _POLL_S. Replica threads cannot be stopped: they finish on their own, and the
-# next parallel_apply waits for them first (``wait_for_stragglers``): two steps never run on one
-# module at once.
+# Ctrl-C during a step: a KeyboardInterrupt must reach the caller promptly. A real SIGINT interrupts
+# Thread.join, but _thread.interrupt_main (IPython, timers) only sets a flag that is checked between
+# bytecodes, so joins wake every _POLL_S. Replica threads cannot be stopped: they finish on their
+# own, and the next parallel_apply waits for them first (``wait_for_stragglers``): two steps never
+# run on one module at once.
 _POLL_S = 0.05
 _stragglers: list[threading.Thread] = []
 
@@ -107,7 +106,7 @@ def _join(t: threading.Thread) -> None:
 
 
 def wait_for_stragglers() -> None:
-    """Join the replica threads of an interrupted step. See NOTE [ Ctrl-C during a step ]."""
+    """Join the replica threads of an interrupted step. See the comment above ``_POLL_S``."""
     while _stragglers:
         _join(_stragglers[-1])
         _stragglers.pop()

@@ -1,7 +1,7 @@
 """``FastDataParallel``: ``torch.nn.DataParallel``'s contract, on CUDA ids or CPU virtual replicas.
 
-The contract kept and the deliberate fixes: the README, *Usage* and *Deviations from
-nn.DataParallel*.
+The contract kept and the deliberate fixes: ``docs/how-it-works.md`` (*Usage*) and
+``docs/migrating.md`` (*Deviations from nn.DataParallel*).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class FastDataParallel(DataParallel):
         output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
             for the CPU).
         dim: the dimension inputs are chunked along and outputs concatenated along.
-        persistent: keyword-only; keep replicas across steps (see NOTE [ Persistent replicas ]);
+        persistent: keyword-only; keep replicas across steps (``docs/how-it-works.md``);
             False replicates afresh every step, as DataParallel does.
         chunk_sizes: keyword-only; rows per device (summing to the batch; 0 skips a device).
         balance: keyword-only; relative shares per device, turned into chunk sizes for every
@@ -77,14 +77,14 @@ class FastDataParallel(DataParallel):
             per-replica outputs (see ``fastdp.ParallelCriterion``).
         launch: keyword-only; how replicas run: ``"threads"`` (one worker thread each),
             ``"inline"`` (in turn on the caller's thread) or ``"auto"`` (measure both, keep the
-            faster). Default ``FASTDP_LAUNCH``, else ``"auto"``; see NOTE [ Launch strategies ]
-            in ``fastdp/_launch.py``. ``launch_report()`` shows what ``auto`` picked.
+            faster). Default ``FASTDP_LAUNCH``, else ``"auto"``; see *Launch strategies*
+            in ``docs/how-it-works.md``. ``launch_report()`` shows what ``auto`` picked.
         bucket_cap_mb: keyword-only; the size of the buckets replicas are refreshed and
             gradients reduced in (DDP's default 25; the first bucket at most 1 MiB). See
-            NOTE [ Buckets ] in ``fastdp/_buckets.py``; ``comm_stats()`` counts the calls.
+            *Buckets* in ``docs/how-it-works.md``; ``comm_stats()`` counts the calls.
         strict_chunks: keyword-only; input tensors that split into more chunks than others lose
             their extra rows, as in DataParallel, with one warning per wrapper naming them; True
-            raises ``ValueError`` instead (NOTE [ DataParallel's chunking ]).
+            raises ``ValueError`` instead (``docs/migrating.md``).
         scalar_outputs: keyword-only; how 0-dim outputs (a loss per replica) are gathered:
             ``"stack"`` (DataParallel's vector and warning), ``"mean"`` (one 0-dim value, the
             replicas' values weighted by their rows: the whole-batch mean of a per-sample mean
@@ -131,7 +131,7 @@ class FastDataParallel(DataParallel):
         self._comm = _transports.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
         self._checked: tuple | None = None  # NOTE [ One signature per step ]
-        self.strategy = _launch.make(launch)  # NOTE [ Launch strategies ]
+        self.strategy = _launch.make(launch)  # the strategies: fastdp/_launch.py
         self._last: dict[str, str | None] = {"launch": None}  # see last_launch
         self._step_lock = threading.Lock()
         self._pool = WorkerPool()
@@ -213,12 +213,13 @@ class FastDataParallel(DataParallel):
                 self._step_lock.release()
             return self._gather_step(plan, outputs, inputs, module_kwargs)
 
+    # NOTE [ Concurrent calls ]
+    # DataParallel builds replicas per call, so two threads may call one wrapper (inference
+    # servers do). The persistent replicas serve one call at a time, from its replicate to
+    # the end of its launch; a call made meanwhile (another thread's, or a replica's forward
+    # calling the wrapper again) replicates afresh, DataParallel's algorithm, for itself.
     def _fresh_step(self, plan: StepPlan, inputs: Sequence[Any], kwargs: Sequence[Any]) -> Any:
-        """NOTE [ Concurrent calls ]
-        DataParallel builds replicas per call, so two threads may call one wrapper (inference
-        servers do). The persistent replicas serve one call at a time, from its replicate to
-        the end of its launch; a call made meanwhile (another thread's, or a replica's forward
-        calling the wrapper again) replicates afresh, DataParallel's algorithm, for itself."""
+        """A step on fresh replicas, for a call made while the persistent ones serve another."""
         devs = plan.devices[: len(inputs)]
         replicas = replicate(self.module, devs, not torch.is_grad_enabled())
         with prepare_replicas(replicas):
@@ -300,7 +301,7 @@ class FastDataParallel(DataParallel):
         gradients on the replica, unreduced; the first grad-enabled forward outside folds them
         into the originals' ``.grad``, so after its backward ``.grad`` equals plain gradient
         accumulation. Saves one cross-device reduce of all parameters per micro-step. See
-        NOTE [ no_sync ] in ``fastdp/_reducer.py``."""
+        *Gradient accumulation* in ``docs/features.md``."""
         old, self._no_sync = self._no_sync, True
         try:
             yield
@@ -350,7 +351,8 @@ class FastDataParallel(DataParallel):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile the module inside every replica with ``torch.compile``'s keyword options
         (``mode``, ``backend``, ``dynamic``, ``fullgraph``, ``options``, ...); the wrapper's own
-        planning, scatter, threads and gather stay eager. See NOTE [ Compiling the wrapper ]."""
+        planning, scatter, threads and gather stay eager. See *torch.compile* in
+        ``docs/features.md``."""
         if args:
             raise TypeError("FastDataParallel.compile takes torch.compile's keyword options only")
         self._compile_ctx = context_from_options(**kwargs)
@@ -373,16 +375,14 @@ class FastDataParallel(DataParallel):
         """
         return load_wrapped_state_dict(self, state_dict, strict, assign)
 
+    # NOTE [ One signature per step ]
+    # The module's dicts and tensors are checked once per step, here (NOTE [ Replica
+    # invalidation ]). When both match ``self._checked``, that record is returned and becomes
+    # the plan's ``verified``; ``replicate`` with that plan skips the ReplicaSet's own checks
+    # when the set was last validated under the same record (the module is unchanged since).
+    # A ``replicate`` without a plan validates fully.
     def _check_device_cached(self) -> Any:
-        """DataParallel's per-step device check, re-run only when the module changed.
-
-        NOTE [ One signature per step ]
-        The module's dicts and tensors are checked once per step, here (NOTE [ Replica
-        invalidation ]). When both match ``self._checked``, that record is returned and becomes
-        the plan's ``verified``; ``replicate`` with that plan skips the ReplicaSet's own checks
-        when the set was last validated under the same record (the module is unchanged since).
-        A ``replicate`` without a plan validates fully.
-        """
+        """DataParallel's per-step device check, re-run only when the module changed."""
         if self._checked is not None:
             dicts, signature, tensors = self._checked
             if not dicts.changed() and tensor_signature(tensors) == signature:
@@ -402,7 +402,7 @@ class FastDataParallel(DataParallel):
 
     def invalidate_replicas(self) -> None:
         """Drop the cached replicas: call after changing the module behind ``nn.Module``'s back
-        (e.g. ``module.__dict__[k] = v``); see NOTE [ Replica invalidation ]."""
+        (e.g. ``module.__dict__[k] = v``); see *Persistent replicas* in ``docs/how-it-works.md``."""
         self._replica_sets.clear()
         self._checked = None
 

@@ -1,4 +1,4 @@
-"""Launch strategies (NOTE [ Launch strategies ] in fastdp/_launch.py) and the caller's streams.
+"""Launch strategies (the docstring of fastdp/_launch.py) and the caller's streams.
 
 The end-to-end suites run under each strategy (NOTE [ Tests under each launch strategy ]); this
 file tests what is specific to choosing one: the keyword and FASTDP_LAUNCH, the rule that forces

@@ -432,9 +432,10 @@ class _Recurrent(nn.Module):
 
 @pytest.mark.parametrize("alias", [True, False])
 def test_rnn_replicas_keep_their_weight_cache_and_train_as_the_module(backend, monkeypatch, alias):
-    """NOTE [ RNN replicas ]: a replica's LSTM never rebuilds its weight list in forward (that
-    would call flatten_parameters, which moves cuDNN weights off the refreshed tensors), also
-    after its tensors are renewed under a held graph; training matches the module."""
+    """``_RNN_CACHE`` (fastdp/_replica_set.py): a replica's LSTM never rebuilds its weight list
+    in forward (that would call flatten_parameters, which moves cuDNN weights off the refreshed
+    tensors), also after its tensors are renewed under a held graph; training matches the
+    module."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0" if alias else "1")
     rebuilt = []
     orig = nn.LSTM._init_flat_weights
