@@ -1,18 +1,5 @@
 """Buckets: which tensors travel together, and the flat layout of replicas that do not alias the
 originals (one flat per bucket).
-
-NOTE [ Buckets ]
-Tensors are grouped as DDP's ``Reducer`` groups them: per (dtype, device), in reverse
-registration order (the last layers, whose gradients are ready first, fill the first bucket),
-the first bucket of each dtype capped at ``min(1 MiB, cap)``, the others at ``cap`` (25 MiB by
-default, ``bucket_cap_mb=``). A replica that does not alias the originals (another device, or
-any CPU replica under ``FASTDP_CPU_DISTINCT=1``) holds each bucket as one flat tensor; its
-parameters and buffers are tensors on that flat's storage with version counters of their own,
-and the originals' strides where those are dense (channels_last stays channels_last). A refresh
-packs a bucket's originals into a staging flat on the source device (one multi-tensor copy) and
-broadcasts it into every such replica's flat (one transport call per bucket, whatever the number
-of devices); when every copy row is on the source device there is no staging: one multi-tensor
-copy per row. Tensors that cannot be flattened (sparse, quantized) form buckets of one.
 """
 
 from __future__ import annotations
@@ -55,6 +42,17 @@ def flattenable(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_quantized
 
 
+# NOTE [ Buckets ]
+# Tensors are grouped as DDP's ``Reducer`` groups them: per (dtype, device), in reverse
+# registration order (the last layers, whose gradients are ready first, fill the first bucket),
+# the first bucket of each dtype capped at ``min(FIRST_BUCKET_BYTES, cap)``, the others at ``cap``
+# (``bucket_cap_mb=``). A replica that does not alias the originals (another device, or any CPU
+# replica under ``FASTDP_CPU_DISTINCT=1``) holds each bucket as one flat tensor; its tensors live
+# on that flat's storage with version counters of their own and the originals' strides where
+# those are dense. A refresh packs a bucket's originals into a staging flat on the source device
+# (one multi-tensor copy) and broadcasts it into every such flat (one transport call per bucket);
+# with every copy row on the source device, no staging: one multi-tensor copy per row. Tensors
+# that cannot be flattened (sparse, quantized) form buckets of one.
 def assign_buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[list[int]]:
     """Indices of ``tensors`` per bucket, in the order they are filled (NOTE [ Buckets ])."""
     first_cap = min(FIRST_BUCKET_BYTES, cap_bytes)

@@ -1,6 +1,5 @@
 """Modules that are also functions: ``fastdp.info`` and ``fastdp.doctor``.
 
-NOTE [ Modules named as functions ]
 ``fastdp.info`` and ``fastdp.doctor`` are functions of the package and modules of the same name
 (``python -m fastdp.info``). Importing a submodule binds it on its package, so after ``import
 fastdp.info`` the name would be the module and ``fastdp.info()`` would raise ``TypeError``.
@@ -17,7 +16,7 @@ from typing import Any
 
 
 def callable_module(name: str, function: Callable[..., Any]) -> None:
-    """Make the module ``name`` callable as ``function`` (NOTE [ Modules named as functions ])."""
+    """Make the module ``name`` callable as ``function`` (the module docstring)."""
 
     class _CallableModule(types.ModuleType):
         def __call__(self, *args: Any, **kwargs: Any) -> Any:

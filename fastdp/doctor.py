@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-callable_module(__name__, doctor)  # NOTE [ Modules named as functions ]
+callable_module(__name__, doctor)  # the module is the function too: fastdp/_callable.py
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """``python -m fastdp info``: what fastdp was built with and which path each stage takes.
 
 ``fastdp.info()`` returns the same as a dict; this module is callable as that function
-(NOTE [ Modules named as functions ] in ``fastdp/_callable.py``).
+(``fastdp/_callable.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """``fastdp.install()``: ``torch.nn.DataParallel`` becomes FastDataParallel, for code that builds
 ``nn.DataParallel`` itself (HF Trainer, sentence-transformers, TRL) and cannot be edited.
 
-NOTE [ Installing ]
 ``install(**defaults)`` replaces ``torch.nn.DataParallel``, ``torch.nn.parallel.DataParallel`` and
 ``torch.nn.parallel.data_parallel.DataParallel`` with one subclass of FastDataParallel whose
 constructor fills in ``defaults`` for the arguments its caller did not pass (``device_ids=['cpu']
@@ -87,7 +86,7 @@ class _Installation:
 
 def install(**defaults: Any) -> _Installation:
     """Make ``torch.nn.DataParallel`` FastDataParallel with ``defaults`` (any FastDataParallel
-    keyword: ``device_ids``, ``launch``, ``scalar_outputs``, ...). See NOTE [ Installing ]."""
+    keyword: ``device_ids``, ``launch``, ``scalar_outputs``, ...). See the module docstring."""
     cls = _installed_class(defaults)
     with _lock:
         _stack.append(tuple(home.DataParallel for home in _HOMES))

@@ -1,4 +1,4 @@
-"""The bench's figures follow NOTE [ Plots a person reads ] (``fastdp/bench/plots.py``): checked on
+"""The bench's figures follow the rules of ``fastdp/bench/plots.py``'s docstring: checked on
 the figures drawn from committed runs (CPU suites and the one-GPU run), every figure kind."""
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_bench_writes_png_plots(tiny_run):
     assert doc["meta"]["plots"]
     from matplotlib.image import imread
 
-    for p in pngs:  # NOTE [ Plots a person reads ]
+    for p in pngs:  # the rules in fastdp/bench/plots.py's docstring
         assert imread(str(out / p)).shape[1] <= 1600, p
 
 

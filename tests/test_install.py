@@ -1,4 +1,4 @@
-"""``fastdp.install`` / ``uninstall`` and ``python -m fastdp.run`` (NOTE [ Installing ])."""
+"""``fastdp.install`` / ``uninstall`` and ``python -m fastdp.run`` (fastdp/install.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``python -m fastdp run`` runs a script as ``python`` does (NOTE [ Installing ]): each test runs
+"""``python -m fastdp run`` runs a script as ``python`` does (``fastdp/install.py``): each test runs
 both in a subprocess started in another working directory and compares what the script sees."""
 
 from __future__ import annotations

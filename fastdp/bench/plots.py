@@ -4,12 +4,11 @@ labels, sizes), the bar figures (each step suite's headline, the launch strategi
 the chunked floor) and the line figures (host overhead per workload, replicate cost by depth,
 collective bandwidth by size), in that order.
 
-NOTE [ Plots a person reads ]
-Each step suite's headline (``steps_<suite>.png``) answers two questions at a glance: how far
-fastdp is from the chunked floor (the bare module on the same chunks in turn, = 1) and how much
-faster it is than DataParallel's algorithm. Every figure: at most 1600 px wide, text >= 10 pt and
-horizontal (axis titles of y axes aside), bars only on linear axes with their values printed,
-every plotted series in the legend, colours from the Okabe-Ito colour-blind-safe palette.
+Plots a person reads: each step suite's headline (``steps_<suite>.png``) answers two questions at a
+glance: how far fastdp is from the chunked floor (the bare module on the same chunks in turn, = 1)
+and how much faster it is than DataParallel's algorithm. Every figure: at most 1600 px wide, text >=
+10 pt and horizontal (axis titles of y axes aside), bars only on linear axes with their values
+printed, every plotted series in the legend, colours from the Okabe-Ito colour-blind-safe palette.
 tests/test_bench_plots.py checks these on the figures of a real run.
 """
 

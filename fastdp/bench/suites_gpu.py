@@ -104,16 +104,13 @@ def _comm_ops(x: torch.Tensor, devices: list, devs: list[torch.device]) -> tuple
     return ops, len(params)
 
 
-# Rows timed once per torch thread count (NOTE [ Threads of the pageable rows ]).
+# Rows timed once per torch thread count: a pageable scatter is bounded by host memcpy, whose
+# speed follows torch's intra-op threads, so its rows and the host-copy limit are timed at each of
+# ``PAGEABLE_THREADS`` (``threads`` in each record); every other row at the run's ``--threads``. A
+# row that moves no byte (kind ``view``: every chunk stays on its device) is reported in
+# microseconds per call (``us_per_call``), never in GB/s.
 THREADED_OPS = ("scatter_pageable", "limit_host")
 PAGEABLE_THREADS = (1, 8)
-
-
-# NOTE [ Threads of the pageable rows ]
-# A pageable scatter is bounded by host memcpy, whose speed follows torch's intra-op threads: its
-# rows and the host-copy limit are timed at 1 and at 8 threads (``threads`` in each record); every
-# other row at the run's ``--threads``. A row that moves no byte (kind ``view``: every chunk stays
-# on its device) is reported in microseconds per call (``us_per_call``), never in GB/s.
 
 
 def comm_tasks(s: Settings, multi: bool) -> list[Task]:
