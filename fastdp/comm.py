@@ -114,13 +114,13 @@ def broadcast_coalesced(
     return [tensors] + [list(layout.rows[j]) for j in range(1, len(devs))]
 
 
-# NOTE [ Broadcast plans ]
-# broadcast_coalesced plans its buckets (_buckets.Layout without storage: bucket assignment,
-# geometry, the extension's per-bucket view makers) once per tensor set and reuses the plan; every
-# call still allocates its own flats and copies the current values, so results of two calls never
-# alias. The key is the tensors' signature (identity, storage, shape, strides, dtype, device:
-# ``_C.tensor_signature``, or those fields themselves without the extension) with the devices and
-# the bucket size. The cache holds no tensor, so it keeps none alive; it is bounded (LRU).
+# Broadcast plans: broadcast_coalesced plans its buckets (_buckets.Layout without storage: bucket
+# assignment, geometry, the extension's per-bucket view makers) once per tensor set and reuses the
+# plan; every call still allocates its own flats and copies the current values, so results of two
+# calls never alias. The key is the tensors' signature (identity, storage, shape, strides, dtype,
+# device: ``_C.tensor_signature``, or those fields themselves without the extension) with the
+# devices and the bucket size. The cache holds no tensor, so it keeps none alive; it is bounded
+# (LRU).
 _PLANS: collections.OrderedDict[Any, _buckets.Layout] = collections.OrderedDict()
 _PLANS_MAX = 16
 
@@ -177,12 +177,12 @@ def reduce_add_coalesced(
         return reduce_add(inputs, dest, buffer_size)
 
 
-# NOTE [ Same-device chunks ]
-# A chunk bound for the device its source is on is a view of the source, as in torch's
-# comm.scatter (whose .to() returns the chunk itself). When every chunk of a ``scatter`` without
-# chunk_sizes stays, it returns ``tensor.chunk``'s views before any planning or extension call
-# (``torch.chunk`` gives ``splits_for``'s sizes): no byte moves, the cost is torch's own. Other
-# same-device chunks are views too, made by the extension's one call for all leaves.
+# Same-device chunks (NOTE [ Same-device scatter and gather ] for the wrapper's): a chunk bound for
+# the device its source is on is a view of the source, as in torch's comm.scatter (whose .to()
+# returns the chunk itself). When every chunk of a ``scatter`` without chunk_sizes stays, it returns
+# ``tensor.chunk``'s views before any planning or extension call (``torch.chunk`` gives
+# ``splits_for``'s sizes): no byte moves, the cost is torch's own. Other same-device chunks are
+# views too, made by the extension's one call for all leaves.
 
 
 def _all_on(dev: torch.device, devices: Sequence[Any]) -> bool:
@@ -215,7 +215,7 @@ def scatter(
     if out is not None or streams is not None:
         return _tcomm.scatter(tensor, devices, chunk_sizes, dim, streams, out=out)
     if chunk_sizes is None and devices and _all_on(tensor.device, devices):
-        return tensor.chunk(len(devices), dim)  # views, as torch's (NOTE [ Same-device chunks ])
+        return tensor.chunk(len(devices), dim)  # views, as torch's (above ``_all_on``)
     devs = [as_device(d) for d in (devices or ())]
     if not devs:
         raise RuntimeError("Expected at least one device to scatter to")

@@ -7,8 +7,8 @@ extra chunks, as DataParallel's ``zip`` drops them (NOTE [ DataParallel's chunki
 ``fastdp/_planner.py``). Differences: tensor leaves of positional *and* keyword inputs are
 split together (DataParallel gives replicas without their positional inputs when kwargs hold
 non-tensors and the batch is small: pytorch #31460, #52260); dataclass outputs are gathered
-field-wise, and other objects as DataParallel gathers them where it can (NOTE [ Gathering other
-objects ]), else as a per-replica list.
+field-wise, and other objects as DataParallel gathers them where it can (``_gather_object``),
+else as a per-replica list.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["scatter", "scatter_kwargs", "gather", "Scattered"]
 # a view of its leaf and a gathered output is one ``torch.cat``: no copy, stream or device
 # differs. ``split``/``cat`` give exactly the chunks and outputs the fused Functions give, with
 # autograd's own C++ nodes (their backwards are each other, as Scatter's and Gather's are), and
-# cost a few microseconds where a Python ``Function.apply`` costs ~50 (wrapper step profile).
+# cost a fraction of a Python ``Function.apply`` (bench/README.md, *Python calls per step*).
 def _one_device(tensors: Sequence[Any], devices: Sequence[torch.device]) -> bool:
     """Whether ``tensors`` are plain strided tensors on ``devices``, all one device."""
     dev = devices[0]
@@ -245,19 +245,18 @@ def gather(
     return _tree.build(specs[0], gathered, gather_object)
 
 
-# NOTE [ Gathering other objects ]
-# An output that is neither a tensor nor a container gathers as DataParallel's ``gather_map``
-# gathers it: ``type(out)(map(gather, zip(*outputs)))``, so any iterable whose type rebuilds from
-# its gathered parts comes back whole (HF's ``DynamicCache`` and ``EncoderDecoderCache`` are built
-# for exactly that). Where DataParallel would raise (not iterable, the rebuild raises) or return
-# garbage (``str`` of a map), the replicas' objects come back as a per-replica list; None stays
-# None; iterators are never consumed. A rebuild that raises is the one case that warns: the
-# user receives a list where DataParallel's users would have received an error.
+# Other objects: an output that is neither a tensor nor a container gathers as DataParallel's
+# ``gather_map`` gathers it: ``type(out)(map(gather, zip(*outputs)))``, so any iterable whose type
+# rebuilds from its gathered parts comes back whole (HF's ``DynamicCache`` and
+# ``EncoderDecoderCache`` are built for exactly that). Where DataParallel would raise (not iterable,
+# the rebuild raises) or return garbage (``str`` of a map), the replicas' objects come back as a
+# per-replica list; None stays None; iterators are never consumed. A rebuild that raises is the one
+# case that warns: the user receives a list where DataParallel's users would have received an error.
 def _gather_object(
     values: list[Any], target: Any, dim: int, scalars: str, weights: Sequence[int] | None
 ) -> Any:
-    """DataParallel's ``gather_map`` for the replicas' ``values`` of one object (NOTE [ Gathering
-    other objects ])."""
+    """DataParallel's ``gather_map`` for the replicas' ``values`` of one object (see the comment
+    above)."""
     first = values[0]
     if first is None:
         return None

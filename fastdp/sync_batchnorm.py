@@ -6,17 +6,6 @@ their gradients) cover the whole batch: outputs, gradients and running stats equ
 on the whole batch on one device. Modules defining ``__data_parallel_replicate__(ctx, copy_id)``
 (Synchronized-BatchNorm-PyTorch, PyTorch-Encoding) get their callback after every replication,
 with one shared context per original module, as their ``DataParallelWithCallback`` does.
-
-NOTE [ Synchronising replicas without a barrier in backward ]
-Forward: each replica posts its per-channel (mean, biased var, count) to a rendezvous and waits for
-the others' (a Condition, not threading.Barrier: a completed meeting stays complete even if the
-step is aborted right after), then combines all of them in replica order (Chan's parallel
-variance) on its own device, through differentiable copies. Backward needs no meeting: the global
-statistics are nodes of one autograd graph spanning the replicas, so the engine sums ``sum_dy`` /
-``sum_dy_xmu`` from all replicas before differentiating the local ones; a barrier there would
-deadlock where the engine runs several replicas' backward on one thread (CPU, a shared GPU).
-A replica that raises, finishes without reaching a layer the others wait at, or times out
-(``FASTDP_SYNC_TIMEOUT`` seconds, default 300) releases the others with an error; none hangs.
 """
 
 from __future__ import annotations
@@ -47,6 +36,17 @@ class CallbackContext:
     """The context shared by the copies of one module in ``__data_parallel_replicate__``."""
 
 
+# NOTE [ Synchronising replicas without a barrier in backward ]
+# Forward: each replica posts its per-channel (mean, biased var, count) to a rendezvous and waits
+# for the others' (a Condition, not threading.Barrier: a completed meeting stays complete even if
+# the step is aborted right after), then combines all of them in replica order (Chan's parallel
+# variance) on its own device, through differentiable copies. Backward needs no meeting: the global
+# statistics are nodes of one autograd graph spanning the replicas, so the engine sums ``sum_dy`` /
+# ``sum_dy_xmu`` from all replicas before differentiating the local ones; a barrier there would
+# deadlock where the engine runs several replicas' backward on one thread (CPU, a shared GPU). A
+# replica that raises, finishes without reaching a layer the others wait at, or times out
+# (``FASTDP_SYNC_TIMEOUT`` seconds, else ``_DEFAULT_TIMEOUT``) releases the others with an error;
+# none hangs.
 class _Rendezvous:
     """One step's meeting point of ``n`` replicas; keys are (layer, call)."""
 
@@ -163,7 +163,8 @@ class _BatchNormElemt(Function):
     """``y = (x - mean) * invstd * weight + bias``, channels on dim 1, differentiable in all five.
 
     Backward returns ``-invstd * w * sum_dy`` for mean and ``w * sum_dy_xmu`` for invstd; the graph
-    of the global statistics carries them to every replica (see the module's NOTE).
+    of the global statistics carries them to every replica (NOTE [ Synchronising replicas without
+    a barrier in backward ]).
     """
 
     @staticmethod

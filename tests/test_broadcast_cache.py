@@ -1,5 +1,5 @@
-"""fastdp.comm.broadcast_coalesced plans a tensor set once (NOTE [ Broadcast plans ]) and still
-returns fresh tensors with the current values on every call.
+"""fastdp.comm.broadcast_coalesced plans a tensor set once (the comment above ``_PLANS`` in
+fastdp/comm.py) and still returns fresh tensors with the current values on every call.
 
 Counted through ``fastdp.comm.copy_stats()["broadcast_layouts_built"]``; every test runs with the
 extension and on the pure-torch path (``backend``).

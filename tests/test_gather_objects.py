@@ -1,5 +1,5 @@
 """Outputs that are not tensors or containers, gathered as DataParallel gathers them
-(NOTE [ Gathering other objects ]).
+(``_gather_object`` in fastdp/scatter_gather.py).
 
 The reference is torch's own ``gather`` (``torch.nn.parallel.scatter_gather``) with its CUDA-only
 ``Gather`` replaced by ``torch.cat``, applied to the per-replica outputs.
