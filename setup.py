@@ -118,15 +118,14 @@ def wheel_nvidia_dirs() -> tuple[list[str], list[str]]:
     return incs, libs
 
 
+# NOTE [ One libstdc++ ]
+# A compiler driver that links libstdc++ statically (the GPU image's CXX=/opt/gcc/bin/g++
+# does) puts a second libstdc++ inside fastdp._C whose locale facets are not the process's:
+# the first error message that streams a number segfaults.
+# Naming the process's own libstdc++ on the link line, ahead of the driver's libraries,
+# resolves every std:: symbol to it (a NEEDED entry) and leaves nothing for a static copy.
 def running_libstdcxx() -> str | None:
-    """The libstdc++ this interpreter runs with (torch loaded it), from /proc/self/maps; Linux.
-
-    NOTE [ One libstdc++ ]
-    A compiler driver that links libstdc++ statically (the GPU image's CXX=/opt/gcc/bin/g++
-    does) puts a second libstdc++ inside fastdp._C whose locale facets are not the process's:
-    the first error message that streams a number segfaults.
-    Naming the process's own libstdc++ on the link line, ahead of the driver's libraries,
-    resolves every std:: symbol to it (a NEEDED entry) and leaves nothing for a static copy."""
+    """The libstdc++ this interpreter runs with (torch loaded it), from /proc/self/maps; Linux."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:

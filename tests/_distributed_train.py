@@ -48,7 +48,7 @@ def main(out_path: str) -> None:
         )
     if dist.is_initialized():
         dist.destroy_process_group()
-        # NOTE [ gloo threads at interpreter exit ]: destroy_process_group does not join gloo's
+        # gloo threads at interpreter exit: destroy_process_group does not join gloo's
         # worker threads, and one may still be freeing the last collective's work (tensors that
         # Python owns) when the interpreter finalizes; taking the GIL then kills the thread inside
         # a noexcept destructor: std::terminate, "terminate called without an active exception"

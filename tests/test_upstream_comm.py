@@ -160,7 +160,8 @@ def test_broadcast_coalesced(devices, kind):
         assert out0 is inp  # tensors on devices[0] are returned as they are
         _same_kind(out1, inp)
         equal(_dense_view(out1), _dense_view(inp))
-    # The copies have their own version counters (NOTE [ Version Counter in comm.*_coalesced ]).
+    # The copies have their own version counters, as torch/csrc/cuda/comm.cpp says in
+    # torch's NOTE [ Version Counter in comm.*_coalesced ].
     snapshot = [t.clone() for t in tensors]
     for t in result[1]:
         v = t._version
