@@ -22,11 +22,11 @@ struct BucketState {
   at::Device dest = at::kCPU;
 };
 
-// NOTE [ Bucket state in a tensor ]
-// Compiled autograd hashes every saved_data entry into its cache key and hands saved tensors to
-// the node's backward as they are; a capsule cannot be hashed. So the state is saved as an empty
-// byte tensor whose storage owns it (the DataPtr's context), read back only when the DataPtr's
-// deleter is ours (any copy of that tensor would carry no state: a loud error, never a guess).
+// Bucket state in a tensor: compiled autograd hashes every saved_data entry into its cache key and
+// hands saved tensors to the node's backward as they are; a capsule cannot be hashed. So the state
+// is saved as an empty byte tensor whose storage owns it (the DataPtr's context), read back only
+// when the DataPtr's deleter is ours (any copy of that tensor would carry no state: a loud error,
+// never a guess).
 void release_state(void* ctx) { delete static_cast<std::shared_ptr<BucketState>*>(ctx); }
 
 at::Tensor state_tensor(std::shared_ptr<BucketState> state) {
@@ -54,10 +54,10 @@ struct Args {  // what forward needs once; nothing of it is kept
 // bit), dense, this node holds the only reference AND its storage has no other user, and no graph
 // is being built (create_graph). One widening, as safe: the storage's other user may be the
 // gradient's own view base when nothing else holds that base. Backward formulas return such views
-// of their fresh results (Linear's weight: mm(...).t(); a bias: sum(...).view(...)); refusing
-// them sent every Linear bucket to the out-of-place sum (mlp100, 4 replicas: +1 ms a step). A
-// view of a gradient another node still reads (finding: `p.view(...)` beside `lin`) has a base
-// with other references and is summed out of place, per gradient.
+// of their fresh results (Linear's weight: mm(...).t(); a bias: sum(...).view(...)); refusing them
+// would send every Linear bucket to the out-of-place sum. A view of a gradient another node still
+// reads (finding: `p.view(...)` beside `lin`) has a base with other references and is summed out of
+// place, per gradient.
 bool only_own_base_shares(const at::Tensor& g) {
   if (g.storage().use_count() != 2 || !g.is_view()) return false;
   const at::TensorBase& base = g._base();
@@ -160,7 +160,7 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
                                at::TensorList sources) {
     const size_t n = sources.size();
     ctx->saved_data["n"] = static_cast<int64_t>(n);
-    ctx->saved_data["state"] = state_tensor(args->state);  // NOTE [ Bucket state in a tensor ]
+    ctx->saved_data["state"] = state_tensor(args->state);  // see "Bucket state in a tensor"
     return args->replicas;
   }
 

@@ -62,12 +62,11 @@ std::vector<at::Tensor> FlatViews::operator()(const at::Tensor& flat) const {
   return out;
 }
 
-// NOTE [ Contiguous cat output without the meta device ]
-// torch.cat of tensors that are all contiguous (and suggest no other memory format), of one rank,
-// with equal sizes off `dim`, is contiguous with the sizes summed along `dim`. That is the common
-// gather (one output per replica), and it skips the meta-device cat, whose kernel turns into
-// torch._refs.cat (Python, ~0.15 ms) once torch._dynamo or torch._inductor is imported.
-// Anything else, errors included, takes the meta path below.
+// Contiguous cat output without the meta device: torch.cat of tensors that are all contiguous (and
+// suggest no other memory format), of one rank, with equal sizes off `dim`, is contiguous with the
+// sizes summed along `dim`. That is the common gather (one output per replica), and it skips the
+// meta-device cat, whose kernel turns into torch._refs.cat (Python) once torch._dynamo or
+// torch._inductor is imported. Anything else, errors included, takes the meta path below.
 static std::optional<std::vector<int64_t>> contiguous_cat_sizes(
     const std::vector<at::Tensor>& tensors, int64_t dim) {
   const at::Tensor& first = tensors[0];

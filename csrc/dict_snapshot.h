@@ -36,7 +36,7 @@ class FASTDP_PY_HIDDEN DictSnapshot {
 
  private:
   std::vector<pybind11::object> dicts_;
-  std::vector<uint64_t> versions_;  // NOTE [ Dict version fast path ] in dict_snapshot.cpp
+  std::vector<uint64_t> versions_;  // the dict version fast path: dict_snapshot.cpp
   std::vector<size_t> starts_;  // dict i's entries are [starts_[i], starts_[i + 1])
   std::vector<pybind11::object> entries_;  // key, value, key, value, ...
 };

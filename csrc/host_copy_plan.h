@@ -2,7 +2,7 @@
 // The host-side decisions of copies from host memory to a GPU, pure and compiled in every build
 // (tested on the CPU through fastdp._C._host_copy_plan and _C._stage_rows): how a pinned chunk is
 // copied without a host temporary, and which rows a pageable chunk is staged by.
-// See NOTE [ Stream order of host copies ] in cuda/scatter_cuda.cu.
+// See NOTE [ Stream order of host copies ] in cuda/scatter_host_cuda.cu.
 
 #include <cstdint>
 #include <vector>

@@ -1,4 +1,4 @@
-"""``csrc/dict_snapshot.cpp`` on every CPython this machine has (NOTE [ Dict version fast path ]):
+"""``csrc/dict_snapshot.cpp`` on every CPython this machine has (its dict version fast path):
 the version-tag fast path is compiled below 3.13 and left out from 3.13 on, so its contract is
 checked under each interpreter, built as a bare pybind11 module (torch is not needed there).
 Interpreters: this one plus pyenv's 3.10+ (``$PYENV_ROOT`` or ``~/.pyenv``); skips without a

@@ -87,8 +87,9 @@ def test_an_empty_dict_filled_and_a_key_swapped_for_another_are_seen(make):
 
 @pytest.mark.parametrize("make", SNAPSHOTS)
 def test_a_change_undone_is_no_change_and_later_changes_are_still_seen(make):
-    """The extension skips dicts whose version tag is unchanged (NOTE [ Dict version fast path
-    ]): a dict written and put back must compare equal, then keep seeing new writes."""
+    """The extension skips dicts whose version tag is unchanged (the dict version fast path in
+    csrc/dict_snapshot.cpp): a dict written and put back must compare equal, then keep seeing
+    new writes."""
     first, second = object(), object()
     d = {"a": first, "b": 1}
     e = {"c": 2}

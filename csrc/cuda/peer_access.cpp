@@ -26,7 +26,7 @@
 // NOTE [ Peer access ]
 // p2p_usable decides once per pair: FASTDP_P2P=0 says no; else torch's get_p2p_access both ways
 // (it also maps the caching allocator's expandable segments and cudaMallocAsync pools into the
-// peer, which cudaDeviceEnablePeerAccess alone does not), then a 1 MiB checksum copy each way
+// peer, which cudaDeviceEnablePeerAccess alone does not), then a checksum copy each way
 // through direct_copy. Any failure warns once and stages the pair: never an error per scatter.
 // A direct copy runs on dst_stream, not ATen's copy_ (which queues every copy of a scatter on the
 // source's stream, one behind another), so a scatter's copies overlap. Ordering is copy_'s

@@ -12,9 +12,9 @@
 // Pageable host chunks bound for a GPU are packed into pinned blocks, a window each, and sent by
 // one cudaMemcpyAsync per window; pinned sources are never staged. The pool is fastdp's, not
 // torch's CachingHostAllocator (which keeps every block until empty_cache() and is shared with the
-// user's pin_memory(), so it has no bound): FASTDP_PINNED_POOL_MB caps it (default 256; 0 turns
-// staging off). Blocks come in fixed size classes (pinned_pool_core.h), so repeated steps reuse
-// them: cudaHostAlloc only while warming up, cudaFreeHost (an implicit device sync) only when the
+// user's pin_memory(), so it has no bound): FASTDP_PINNED_POOL_MB caps it (0 turns staging off).
+// Blocks come in fixed size classes (pinned_pool_core.h), so repeated steps reuse them:
+// cudaHostAlloc only while warming up, cudaFreeHost (an implicit device sync) only when the
 // capacity forces it or on empty_cache(), both outside the lock. A block is lent again once the
 // events its streams recorded completed; at capacity the pool waits on the oldest block's events,
 // also outside the lock. The pool is leaked at exit: cudaFreeHost after runtime shutdown crashes.
