@@ -116,8 +116,8 @@ def test_gather_cpu_preserves_channels_last(dim):
     assert out.is_contiguous(memory_format=torch.channels_last)
 
 
-AMBIGUOUS = [  # contiguous fast path vs torch.cat's memory format rules: NOTE [ Contiguous cat
-    # output without the meta device ] in csrc/copy_layout.cpp
+AMBIGUOUS = [  # contiguous fast path vs torch.cat's memory format rules: "Contiguous cat
+    # output without the meta device" in csrc/copy_layout.cpp
     ((2, 1, 3, 3), False),
     ((2, 1, 3, 3), True),
     ((2, 3, 1, 1), False),

@@ -202,7 +202,7 @@ def test_post_accumulate_hook_with_reentrant_checkpoint(storage, launch):
     """Each replica's recompute is a nested backward that reaches the bucket node (which holds
     ``lin`` inside the checkpoint and ``head`` outside) again: a post-accumulate-grad hook on
     ``head`` (per-parameter clipping, optimizer-in-backward) must act once on its total, as with
-    the plain module (and DataParallel's ``Broadcast`` when it runs last: NOTE [ Late
+    the plain module (and DataParallel's ``Broadcast`` when it runs last: NOTE [ Early
     reduction ])."""
     dp, fresh, plain = _pair(Checkpointed())
     torch.manual_seed(1)
