@@ -96,8 +96,8 @@ def broadcast_coalesced(
     """Copies of ``tensors`` on each of ``devices``; ``devices[0]`` must hold them.
 
     ``result[0]`` are the input tensors themselves; the others are new contiguous tensors on flat
-    buckets of at most ``buffer_size`` bytes (one broadcast per bucket: NOTE [ Buckets ] in
-    ``fastdp/_buckets.py``), each with its own version counter, bit-identical in value.
+    buckets of at most ``buffer_size`` bytes (one broadcast per bucket, grouped as DDP groups
+    them), each with its own version counter, bit-identical in value.
     """
     devs = [as_device(d) for d in devices]
     tensors = list(tensors)

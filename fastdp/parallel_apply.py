@@ -66,7 +66,7 @@ def parallel_apply(
     ``launch``: ``"threads"`` (one thread per replica, as torch's) or ``"inline"`` (in turn on this
     thread); default ``FASTDP_LAUNCH``, else threads (``"auto"`` needs the state a
     ``FastDataParallel`` keeps between steps, so here it means threads). Replicas that must run at
-    once always run on threads (NOTE [ Replicas that must run at once ] in ``fastdp/_launch.py``).
+    once (SyncBatchNorm under ``prepare_replicas``, replication callbacks) always run on threads.
     """
     devs = [_infer_device(x) for x in inputs] if devices is None else map(as_device, devices)
     return _launch.launch(

@@ -3,12 +3,11 @@
 Containers follow DataParallel: tensors are chunked along ``dim``; non-empty tuples, lists, dicts
 (and subclasses rebuilt with ``type(obj)``) and namedtuples are recursed into; anything else is
 passed by reference to every replica. Leaves that split into more chunks than others lose their
-extra chunks, as DataParallel's ``zip`` drops them (NOTE [ DataParallel's chunking ] in
-``fastdp/_planner.py``). Differences: tensor leaves of positional *and* keyword inputs are
-split together (DataParallel gives replicas without their positional inputs when kwargs hold
-non-tensors and the batch is small: pytorch #31460, #52260); dataclass outputs are gathered
-field-wise, and other objects as DataParallel gathers them where it can (``_gather_object``),
-else as a per-replica list.
+extra chunks, as DataParallel's ``zip`` drops them (``fastdp/_planner.py``). Differences: tensor
+leaves of positional *and* keyword inputs are split together (DataParallel gives replicas without
+their positional inputs when kwargs hold non-tensors and the batch is small: pytorch #31460,
+#52260); dataclass outputs are gathered field-wise, and other objects as DataParallel gathers them
+where it can (``_gather_object``), else as a per-replica list.
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ class _Prepared:
 
 def replicas_meet(replicas: Sequence[Any]) -> bool:
     """Whether ``replicas`` meet each other during their forward, so they must run at once
-    (NOTE [ Replicas that must run at once ] in ``fastdp/_launch.py``): ``prepare_replicas``
+    (on threads, whatever the launch strategy): ``prepare_replicas``
     armed them (their roots run its rendezvous's forward) and its block has not ended. A query
     of the replicas themselves: O(1), nothing written."""
     d = getattr(replicas[0], "__dict__", None) if replicas else None
@@ -356,7 +356,7 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
             outputs = parallel_apply(replicas, inputs, kwargs, devices)
 
     The replicas must run concurrently (one thread each): inside the block, ``parallel_apply``
-    runs them on threads whatever the launch strategy (NOTE [ Replicas that must run at once ]).
+    runs them on threads whatever the launch strategy.
     Works with fresh or cached replicas: nothing is left on them after the ``with`` block.
 
     Args:
