@@ -99,7 +99,8 @@ def compile_root(r: Module, ctx: Any) -> Module:
 # device, so shared code on worker threads would race on one tree; in order, each device has one
 # tree whose path is recorded once. So too each backward is compiled with its forward
 # (``backward_with_forward``): across GPUs the backwards run on each device's autograd thread, and
-# inductor's compile is not thread-safe. Kernels stay asynchronous: distinct GPUs still overlap.
+# inductor's compile is not thread-safe. Replicas compile in turn and reuse entries on one device;
+# kernels stay asynchronous, so distinct GPUs still overlap, but CPU replicas do not.
 
 
 # Dynamo guards on each tensor input's device, so replicas that share one cache entry on one
@@ -150,6 +151,10 @@ def backward_with_forward() -> Iterator[None]:
         setattr(cfg, name, prior)
 
 
+# CUDA graph trees (torch/_inductor/cudagraph_trees.py) keep one manager per thread and device: a
+# compiled function binds the manager of the thread that first ran it, and a backward replays in
+# the tree of the thread that called ``backward``; in order, a device's tree records one node per
+# replica's forward, in a fixed order, once.
 def mark_static(tensors: Any) -> None:
     """Mark persistent replica tensors as static graph inputs: they keep their addresses, so a
     CUDA graph replay does not copy them ("unguarded": a changed address, after a renewal or a

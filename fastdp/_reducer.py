@@ -165,12 +165,12 @@ class Probe(Pending):
 # A bucket none of whose tensors took part in the forward is not reached by autograd, where
 # DataParallel's one Broadcast node gives every parameter a gradient (zeros if unused). With the
 # extension, the first bucket node of a backward asks the engine which sources it accumulates into
-# (``csrc/graph_task.cpp``: Python cannot ask) and queues a callback that gives the buckets that
-# did not run zeros where ``.grad`` is None. Without it, a set of two or more buckets links every
-# step an anchor (``UnreachedAnchor``): every source is its input, every bucket node takes its
-# output, so any reached bucket reaches every source, and the anchor gives the unrun buckets'
-# sources zeros, which the engine accumulates, captures or drops as the backward asks. Its cost
-# (the sums live to the end of backward): bench/results/cpu-2core-2026-11-26-anchor.
+# (``csrc/graph_task.cpp``: Python cannot ask) and queues a callback that gives the buckets that did
+# not run zeros where ``.grad`` is None and they require grad. Without it, a set of two or more
+# buckets links every step an anchor (``UnreachedAnchor``): every source is its input, every bucket
+# node takes its output, so any reached bucket reaches every source, and the anchor gives the unrun
+# buckets' sources zeros, which the engine accumulates, captures or drops as the backward asks. Its
+# cost (the sums live to the end of backward): bench/results/cpu-2core-2026-11-26-anchor.
 class BucketGroup:
     """The buckets of one replica set within one backward."""
 
