@@ -1,5 +1,6 @@
 """The README fits a screen and its figures are generated from committed results; comments and
-docs state today's contract, with history left to git log and CHANGELOG.md (CONTRIBUTING.md)."""
+docs state today's contract, with history left to git log and CHANGELOG.md; NOTEs are few, short,
+figure-free comment blocks, each defined once where it is cited (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 
