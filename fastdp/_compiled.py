@@ -93,15 +93,14 @@ def compile_root(r: Module, ctx: Any) -> Module:
 
 # NOTE [ Compiled replicas run in order ]
 # A set running compiled code on two or more replicas runs them in turn on the caller's thread,
-# whatever ``launch`` says (``Order.IN_TURN`` in _launch.py), unless its replicas must meet (NOTE
-# [ Replicas that must run at once ]): dynamo's cache lookup and guards are not thread-safe
+# whatever ``launch`` says (``Order.IN_TURN``), unless they must meet
+# (NOTE [ Replicas that must run at once ]): dynamo's cache lookup and guards are not thread-safe
 # (pytorch #118260, #123177), and CUDA graph trees (``mode="reduce-overhead"``) are per thread and
 # device, so shared code on worker threads would race on one tree; in order, each device has one
 # tree whose path is recorded once. So too each backward is compiled with its forward
 # (``backward_with_forward``): across GPUs the backwards run on each device's autograd thread, and
 # inductor's compile is not thread-safe. Replicas compile in turn and reuse entries on one device;
 # kernels stay asynchronous, so distinct GPUs still overlap, but CPU replicas do not.
-
 
 # Dynamo guards on each tensor input's device, so replicas that share one cache entry on one
 # device (NOTE [ Compiled replicas ]) need one entry per device across GPUs, per variant (train,

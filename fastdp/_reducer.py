@@ -424,13 +424,14 @@ def fold(
 
 # NOTE [ no_sync ]
 # Under ``no_sync()`` (decided at forward time) replicas run on leaves (``detach()`` views of the
-# replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is reduced until
-# the next grad-enabled forward outside, which folds every generation of leaves (tensors renewed
-# mid-cycle get new leaves; the old keep what graphs still owe them) into the originals' ``.grad``
-# by plain accumulation. A probe on each row's first leaf tells whether a micro-step's backward
-# has run: until it has, a refresh renews what that graph saved instead of overwriting it, and a
-# fold runs again when it ends (an engine callback). Copy rows are refilled every micro-step
-# (``.data`` edits bump no version). ``zero_grad()`` drops pending gradients.
+# replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is reduced (a cycle
+# costs the fold and its last step's reduction) until the next grad-enabled forward outside, which
+# folds every generation of leaves (tensors renewed mid-cycle get new leaves; the old keep what
+# graphs still owe them) into the originals' ``.grad`` by plain accumulation. A probe on each row's
+# first leaf tells whether a micro-step's backward has run: until it has, a refresh renews what that
+# graph saved instead of overwriting it, and a fold runs again when it ends (an engine callback).
+# Copy rows are refilled every micro-step (``.data`` edits bump no version). ``zero_grad()`` drops
+# pending gradients.
 class Reducer:
     """The gradient side of one replica set (DDP's ``Reducer``, in one process): which sources
     each reduce node serves, the nodes (made once per tensor set with the extension, every step
