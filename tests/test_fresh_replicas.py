@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fastdp import FastDataParallel
+from fastdp.testing import grads_of
 
 pytestmark = pytest.mark.usefixtures("launch", "storage", "backend")
 
@@ -35,12 +36,8 @@ def _pair(net: nn.Module, n: int = 2, **kw) -> tuple[FastDataParallel, FastDataP
     )
 
 
-def _grads(m: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {k: None if p.grad is None else p.grad.clone() for k, p in m.named_parameters()}
-
-
 def _assert_same(a: FastDataParallel, b: FastDataParallel) -> None:
-    ga, gb = _grads(a.module), _grads(b.module)
+    ga, gb = grads_of(a.module), grads_of(b.module)
     assert {k: v is None for k, v in ga.items()} == {k: v is None for k, v in gb.items()}
     for k, v in ga.items():
         if v is not None:

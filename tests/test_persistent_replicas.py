@@ -20,6 +20,7 @@ from torch.testing import assert_close
 
 from fastdp import FastDataParallel
 from fastdp._replica_set import ReplicaSet
+from fastdp.testing import worker_threads
 
 pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
 
@@ -303,16 +304,12 @@ def test_autograd_grad_wrt_parameters(backend):
     assert_close(gw, torch.ones(2, 1) * x.sum(0))
 
 
-def _workers():
-    return [t for t in threading.enumerate() if t.name.startswith("fastdp-worker")]
-
-
 def test_deleting_the_wrapper_releases_threads_replicas_and_module(backend, launch):
-    before = set(_workers())  # other tests' workers may end meanwhile: follow this one's only
+    before = set(worker_threads())  # other tests' workers may end meanwhile: follow this one's only
     model = Scaled()
     fdp = FastDataParallel(model, device_ids=["cpu"] * 4)
     fdp(torch.randn(8, 6)).sum().backward()
-    mine = set(_workers()) - before
+    mine = set(worker_threads()) - before
     assert len(mine) == (0 if launch == "inline" else 4)  # auto: threads first
     replica = weakref.ref(fdp.replicate(model, fdp.device_ids)[1])
     wrapper, module = weakref.ref(fdp), weakref.ref(model)
