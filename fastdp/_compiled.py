@@ -124,7 +124,7 @@ def compile_root(r: Module, ctx: Any) -> Module:
 # ``budget_for(n)`` raises ``recompile_limit`` (and ``accumulated_recompile_limit``) to the
 # user's own value times ``n``, never lowers them, and starts again from a value the user set
 # since. One compiled callable per device would not help: dynamo's cache is on the code object,
-# not on the callable. (tests/test_compiled_replicas.py: a guarded attribute per replica.)
+# not on the callable. (tests/test_replicas_compiled.py: a guarded attribute per replica.)
 _budget: dict[str, int] = {}
 
 

@@ -7,7 +7,7 @@ hooks, reassigned buffers and submodules, in-place writes), how backward is call
 or with originals edited between micro-steps, two threads calling one wrapper, and saving the
 replicas. Every test runs in both storage modes (CPU replicas aliasing the originals, and with
 storage of their own) and under every launch strategy; the differential oracle
-(tests/test_oracle.py) draws such programs at random.
+(tests/test_replicas_oracle.py) draws such programs at random.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Properties (each over CPU replica sets of 1-8 devices):
 
 Examples: ``FASTDP_HYPOTHESIS_EXAMPLES`` per property (default 2000), derandomized (a fixed seed per
 test), no example database. For a deeper run: ``FASTDP_HYPOTHESIS_EXAMPLES=50000 pytest
-tests/test_properties.py``. Tensors are small so the default run takes about a minute.
+tests/test_scatter_properties.py``. Tensors are small so the default run takes about a minute.
 """
 
 from __future__ import annotations
