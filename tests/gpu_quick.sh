@@ -77,7 +77,8 @@ if [ "$DRY" = 1 ]; then
     --no-build-isolation --no-deps -e ."; "$PY" -m fastdp.info'
   BENCH_COMM="--gpu-dry-run --tiny --replicas 2"
   BENCH_STEPS="--gpu-dry-run --tiny --replicas 2"
-  CORE="tests/test_scatter_pinned_pool.py tests/test_gpu_copy_order.py tests/test_gpu_pool_and_streams.py"
+  CORE="tests/test_scatter_pinned_pool.py tests/test_gpu_copy_order.py
+    tests/test_gpu_pool_and_streams.py"
   SAN_CMD='echo "dry run: would run compute-sanitizer memcheck/racecheck/synccheck over" \
     "doctor --quick -k [0,0] -k kernels and memcheck over the probes san_subset";
     "$PY" -m fastdp.doctor --quick -k cpu -k kernels'
@@ -91,9 +92,11 @@ else
   BENCH_STEPS="--replicas 2"
   CORE="tests/test_gpu_copy_order.py tests/test_gpu_pool_and_streams.py
     tests/test_scatter_ext.py tests/test_gather_ext.py tests/test_scatter_comm_calls.py
-    tests/test_replicas_broadcast_cache.py tests/test_scatter_pinned_pool.py tests/test_scatter_host_copy_plan.py
-    tests/test_scatter_cross_device_copies.py tests/test_gpu_parity.py tests/test_tools_cuda_build.py
-    tests/test_scatter_gather_same_device.py tests/test_upstream_comm.py tests/test_reduce_reducer.py"
+    tests/test_replicas_broadcast_cache.py tests/test_scatter_pinned_pool.py
+    tests/test_scatter_host_copy_plan.py tests/test_scatter_cross_device_copies.py
+    tests/test_gpu_parity.py tests/test_tools_cuda_build.py tests/test_scatter_gather_same_device.py
+    tests/test_upstream_comm.py tests/test_reduce_reducer.py tests/test_reduce_buckets.py
+    tests/test_reduce_distinct_replicas.py"
   SAN_CMD='san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
       2>/dev/null | head -1)
     [ -n "$san" ] || { echo "compute-sanitizer not found"; exit 1; }

@@ -52,6 +52,12 @@ ARCHS = {
 }
 
 
+def linear_stack(layers: int, width: int = 32) -> nn.Sequential:
+    """``layers`` square Linears (seeded): the bucket and reduce tests size their buckets by it."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
 def build(name, seed=0):
     torch.manual_seed(seed)
     factory, make_input, has_bn = ARCHS[name]
