@@ -83,6 +83,14 @@ def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
 
 
+def output_and_grads(fdp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Zero the module's grads, step on ``x`` (backward of the sum); the output and ``.grad``."""
+    fdp.module.zero_grad(set_to_none=True)
+    out = fdp(x)
+    out.sum().backward()
+    return out.detach(), {n: p.grad for n, p in fdp.module.named_parameters()}
+
+
 def run_step(
     module: torch.nn.Module, inputs: Sequence[Any], loss: Callable[[Any], Any] | None = None
 ) -> tuple[Any, list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
