@@ -9,7 +9,7 @@ namespace {
 // deprecated by PEP 699 but still kept) on every change, so an equal tag proves the entries
 // unchanged and skips their comparison; a differing one (a change, or a dict watcher's bits)
 // compares them. 3.13 no longer bumps it for instance dicts backed by inline values (measured), so
-// from 3.13 on every entry is compared. test_dict_snapshot_pythons.py runs the contract on each
+// from 3.13 on every entry is compared. test_replicas_dict_snapshot_pythons.py runs the contract on each
 // CPython 3.10+.
 #if PY_VERSION_HEX < 0x030D0000
 #define FASTDP_DICT_VERSIONS 1

@@ -1,8 +1,9 @@
 """Every private torch API fastdp reaches, in one place.
 
 Each is used where torch offers no public way; each has a fallback that keeps results right (only
-slower or less informative) when a torch release drops it, and tests/test_torch_private.py fails
-loudly when one is gone or behaves differently, so a change is seen in CI, not by a user.
+slower or less informative) when a torch release drops it, and
+tests/test_contract_torch_private.py fails loudly when one is gone or behaves differently, so a
+change is seen in CI, not by a user.
 Dynamo's modules are read from ``sys.modules`` (never imported here: 2 s): a module can only be
 compiled once they are imported.
 """

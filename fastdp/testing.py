@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 
 # Where multi-replica tests run: CPU virtual replicas always, replicas sharing cuda:0 when present.
 DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+CPU = torch.device("cpu")
 BACKENDS = ["ext", "torch"]
 # The dtypes every copy-like op is tested over (bit-exact against its torch reference).
 DTYPES = [
@@ -27,10 +29,27 @@ DTYPES = [
     torch.bool,
     torch.complex64,
 ]
+# The dtypes the property-based tests draw from (tests/test_scatter_properties.py).
+PROPERTY_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+]
+# A CUDA GPU and an extension built with CUDA: what the extension's CUDA kernels need.
+EXT_CUDA = HAS_CUDA and _backend.build_info().get("built_with_cuda") == "1"
 
 onlyCUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 onlyMultiGPU = pytest.mark.skipif(NUM_GPUS < 2, reason="needs two distinct CUDA GPUs")
 withCUDA = pytest.mark.parametrize("kind", DEVICE_KINDS)
+onlyCUDAExt = pytest.mark.skipif(not EXT_CUDA, reason="needs a CUDA device and a CUDA build")
+onlyMultiGPUExt = pytest.mark.skipif(not EXT_CUDA or NUM_GPUS < 2, reason="needs 2 distinct GPUs")
 
 
 def replica_ids(kind: str, n: int) -> list[Any]:
@@ -48,6 +67,11 @@ def device_of(kind: str) -> torch.device:
     return torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
 
 
+def worker_threads() -> list[threading.Thread]:
+    """The launch's worker threads alive now (``fastdp-worker*``)."""
+    return [t for t in threading.enumerate() if t.name.startswith("fastdp-worker")]
+
+
 def set_backend(name: str) -> bool:
     """Select ``ext`` or ``torch``; returns the previous setting. Skips when ext is not built."""
     if name == "ext" and not _backend.loaded():
@@ -57,6 +81,14 @@ def set_backend(name: str) -> bool:
 
 def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
+
+
+def output_and_grads(fdp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Zero the module's grads, step on ``x`` (backward of the sum); the output and ``.grad``."""
+    fdp.module.zero_grad(set_to_none=True)
+    out = fdp(x)
+    out.sum().backward()
+    return out.detach(), {n: p.grad for n, p in fdp.module.named_parameters()}
 
 
 def run_step(

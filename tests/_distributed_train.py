@@ -1,4 +1,5 @@
-"""Training script for tests/test_distributed.py: one file, run by ``python`` and by ``torchrun``.
+"""Training script for tests/test_contract_distributed.py: one file, run by ``python`` and by
+``torchrun``.
 
 ``python _distributed_train.py OUT`` trains with FastDataParallel on two CPU replicas;
 ``torchrun --nproc_per_node 2 _distributed_train.py OUT`` trains with DDP (gloo) on two processes.

@@ -34,6 +34,12 @@ def storage(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def distinct(monkeypatch):
+    """CPU replicas with storage of their own (``FASTDP_CPU_DISTINCT=1``) for the whole test."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Run the test once with the C++ extension allowed and once on the pure-torch path."""

@@ -77,7 +77,8 @@ if [ "$DRY" = 1 ]; then
     --no-build-isolation --no-deps -e ."; "$PY" -m fastdp.info'
   BENCH_COMM="--gpu-dry-run --tiny --replicas 2"
   BENCH_STEPS="--gpu-dry-run --tiny --replicas 2"
-  CORE="tests/test_pinned_pool_logic.py tests/test_gpu_copy_order.py tests/test_gpu_pool_and_streams.py"
+  CORE="tests/test_scatter_pinned_pool.py tests/test_gpu_copy_order.py
+    tests/test_gpu_pool_and_streams.py"
   SAN_CMD='echo "dry run: would run compute-sanitizer memcheck/racecheck/synccheck over" \
     "doctor --quick -k [0,0] -k kernels and memcheck over the probes san_subset";
     "$PY" -m fastdp.doctor --quick -k cpu -k kernels'
@@ -90,10 +91,12 @@ else
   BENCH_COMM=""
   BENCH_STEPS="--replicas 2"
   CORE="tests/test_gpu_copy_order.py tests/test_gpu_pool_and_streams.py
-    tests/test_scatter_ext.py tests/test_gather_ext.py tests/test_comm_calls.py
-    tests/test_broadcast_cache.py tests/test_pinned_pool_logic.py tests/test_host_copy_plan.py
-    tests/test_cross_device_copies.py tests/test_gpu_parity.py tests/test_cuda_build.py
-    tests/test_same_device_path.py tests/test_upstream_comm.py tests/test_reducer.py"
+    tests/test_scatter_ext.py tests/test_gather_ext.py tests/test_scatter_comm_calls.py
+    tests/test_replicas_broadcast_cache.py tests/test_scatter_pinned_pool.py
+    tests/test_scatter_host_copy_plan.py tests/test_scatter_cross_device_copies.py
+    tests/test_gpu_parity.py tests/test_tools_cuda_build.py tests/test_scatter_gather_same_device.py
+    tests/test_upstream_comm.py tests/test_reduce_reducer.py tests/test_reduce_buckets.py
+    tests/test_reduce_distinct_replicas.py"
   SAN_CMD='san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
       2>/dev/null | head -1)
     [ -n "$san" ] || { echo "compute-sanitizer not found"; exit 1; }
@@ -150,7 +153,7 @@ if [ "$DRY" = 1 ]; then
 else
   run_stage tests-wide 400 "$OUTDIR/tests.log" \
     '"$PY" -m pytest tests/test_upstream_data_parallel.py tests/test_launch_strategies.py \
-       tests/test_module_contract.py -q -rfE --maxfail=40 -p no:cacheprovider $PAR'
+       tests/test_contract_module.py -q -rfE --maxfail=40 -p no:cacheprovider $PAR'
 fi
 
 timeout 20 "$PY" tests/gpu_quick/summarize.py "$OUTDIR" >>"$SUMMARY" 2>&1 ||

@@ -52,6 +52,26 @@ ARCHS = {
 }
 
 
+class ScaledMLP(nn.Module):
+    """Linear, ReLU (with dropout: ReLU, Dropout), Linear, times a plain attribute ``scale``."""
+
+    def __init__(self, dropout=False):
+        super().__init__()
+        self.lin1, self.act, self.lin2 = nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)
+        if dropout:
+            self.act = nn.Sequential(nn.ReLU(), nn.Dropout(0.5))
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.lin2(self.act(self.lin1(x))) * self.scale
+
+
+def linear_stack(layers: int, width: int = 32) -> nn.Sequential:
+    """``layers`` square Linears (seeded): the bucket and reduce tests size their buckets by it."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
 def build(name, seed=0):
     torch.manual_seed(seed)
     factory, make_input, has_bn = ARCHS[name]

@@ -1,5 +1,5 @@
-"""The differential oracle's model grammar (tests/test_oracle.py): one module whose parts are
-switched on by feature names, each a thing real models do.
+"""The differential oracle's model grammar (tests/test_replicas_oracle.py): one module whose parts
+are switched on by feature names, each a thing real models do.
 
 Inputs: ``x`` (rows, D) float64 and ``idx`` (rows,) int64 in [0, VOCAB). ``idx == SKIP`` in a
 chunk makes that replica skip the sparse embedding and the ``branch`` parameter (parameters used by

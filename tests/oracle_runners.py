@@ -1,4 +1,4 @@
-"""The three runners the differential oracle (tests/test_oracle.py) compares.
+"""The three runners the differential oracle (tests/test_replicas_oracle.py) compares.
 
 Each owns a deepcopy of one model and its own optimizers, and offers the same operations:
 ``forward``, ``backward``, ``grad`` (``torch.autograd.grad``), ``no_sync``, ``zero_grad``, ``step``.

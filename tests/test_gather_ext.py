@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from fastdp.testing import DTYPES
+from fastdp.testing import DTYPES, onlyCUDAExt, onlyMultiGPUExt
 
 try:
     from fastdp import _C
@@ -19,12 +19,6 @@ except ImportError as e:  # pragma: no cover - no build
     pytest.skip(f"fastdp._C not importable: {e}", allow_module_level=True)
 if not hasattr(_C, "gather_into"):
     pytest.skip("fastdp._C has no gather_into", allow_module_level=True)
-
-HAS_CUDA = torch.cuda.is_available() and dict(_C.build_info()).get("built_with_cuda") == "1"
-onlyCUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
-onlyMultiGPU = pytest.mark.skipif(
-    not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 distinct GPUs"
-)
 
 
 def make(shape, dtype, seed=0):
@@ -212,7 +206,7 @@ CUDA_CASES = [c for c in CASES if c[3] in (1, 3, 8)]
 CUDA_IDS = [f"{a}-{str(b)[6:]}-d{c}-n{d}" for a, b, c, d in CUDA_CASES]
 
 
-@onlyCUDA
+@onlyCUDAExt
 @pytest.mark.parametrize("destination", ["cuda:0", "cpu"])
 @pytest.mark.parametrize("layout,dtype,dim,n", CUDA_CASES, ids=CUDA_IDS)
 def test_gather_cuda_sources_match_cat(layout, dtype, dim, n, destination):
@@ -221,7 +215,7 @@ def test_gather_cuda_sources_match_cat(layout, dtype, dim, n, destination):
     assert dict(_C.pinned_pool_stats())["lent"] == 0
 
 
-@onlyCUDA
+@onlyCUDAExt
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
 def test_gather_host_sources_to_cuda(pinned):
     ts = [make((k + 1, 6), torch.float32, k) for k in range(3)]
@@ -230,21 +224,21 @@ def test_gather_host_sources_to_cuda(pinned):
     run_case([t.t() for t in ts], 1, "cuda:0")
 
 
-@onlyCUDA
+@onlyCUDAExt
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_gather_cuda_preserves_channels_last(dim):
     ts = [_cl(make(_shape((2, 3, 4, 5), dim, k + 2), torch.float16, k)).cuda() for k in range(4)]
     assert run_case(ts, dim, "cuda:0").is_contiguous(memory_format=torch.channels_last)
 
 
-@onlyCUDA
+@onlyCUDAExt
 def test_gather_cuda_conj_sources_and_large_strided():
     ts = [make((300, 257), torch.complex64, k).cuda().conj() for k in range(3)]
     run_case(ts, 1, "cuda:0")
     run_case([make((1000, 3000), torch.float32, k).cuda()[:, ::3] for k in range(2)], 1, "cpu")
 
 
-@onlyCUDA
+@onlyCUDAExt
 def test_gather_cuda_current_stream_orders_the_copies():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -255,7 +249,7 @@ def test_gather_cuda_current_stream_orders_the_copies():
     assert total.item() == float(sum(range(4)) * (1 << 20))
 
 
-@onlyMultiGPU
+@onlyMultiGPUExt
 @pytest.mark.parametrize("destination", ["cuda:0", "cuda:1", "cpu"])
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_gather_distinct_gpus(destination, dim):

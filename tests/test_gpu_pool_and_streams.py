@@ -1,8 +1,8 @@
 """The CUDA halves of the pinned pool's, the host copies' and the reduce's contracts.
 
 GPU only (each test skips without a GPU and a CUDA build; multi-GPU ones on one GPU). The host
-logic of each is tested on the CPU: tests/test_pinned_pool_logic.py (NOTE [ Pinned blocks and
-graphs ]), tests/test_host_copy_plan.py (NOTE [ Stream order of host copies ]),
+logic of each is tested on the CPU: tests/test_scatter_pinned_pool.py (NOTE [ Pinned blocks and
+graphs ]), tests/test_scatter_host_copy_plan.py (NOTE [ Stream order of host copies ]),
 tests/test_reduce_stream_order.py (NOTE [ Streams of a reduce across devices ]).
 """
 

@@ -15,8 +15,7 @@ import fastdp
 from fastdp import _planner, _tree
 from fastdp import scatter_gather as sg
 from fastdp._planner import make_plan
-
-CPU = torch.device("cpu")
+from fastdp.testing import CPU
 
 
 class Sum(nn.Module):

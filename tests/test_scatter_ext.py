@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastdp._planner import splits_for
-from fastdp.testing import DTYPES
+from fastdp.testing import DTYPES, EXT_CUDA, onlyCUDAExt, onlyMultiGPUExt
 
 try:
     from fastdp import _C
@@ -20,16 +20,6 @@ except ImportError as e:  # pragma: no cover - no build
     pytest.skip(f"fastdp._C not importable: {e}", allow_module_level=True)
 if not hasattr(_C, "scatter_chunks"):
     pytest.skip("fastdp._C has no scatter_chunks", allow_module_level=True)
-
-HAS_CUDA = (
-    torch.cuda.is_available()
-    and _C.build_info()
-    and dict(_C.build_info()).get("built_with_cuda") == "1"
-)
-onlyCUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build")
-onlyMultiGPU = pytest.mark.skipif(
-    not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 distinct GPUs"
-)
 
 
 def make(shape, dtype, device="cpu"):
@@ -171,7 +161,7 @@ def test_scatter_no_leaves_gives_no_replicas():
     assert _C.scatter_chunks([], [], 0, [torch.device("cpu")]) == []
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only build's error")
+@pytest.mark.skipif(EXT_CUDA, reason="checks the CPU-only build's error")
 def test_scatter_cuda_device_without_cuda_build_raises():
     if dict(_C.build_info()).get("built_with_cuda") == "1":
         pytest.skip("CUDA build")
@@ -195,7 +185,7 @@ def cuda_devices(n):
     return [torch.device("cuda", 0)] * n
 
 
-@onlyCUDA
+@onlyCUDAExt
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
 @pytest.mark.parametrize(
     "layout,dtype,dim,n",
@@ -211,7 +201,7 @@ def test_scatter_host_to_cuda_matches_split_to(layout, dtype, dim, n, pinned):
     assert dict(_C.pinned_pool_stats())["lent"] == 0
 
 
-@onlyCUDA
+@onlyCUDAExt
 @pytest.mark.parametrize(
     "layout,dtype,dim,n",
     [c for c in CPU_CASES if c[3] in (2, 8)],
@@ -224,7 +214,7 @@ def test_scatter_cuda_source_same_device_gives_views(layout, dtype, dim, n):
         assert row[0].untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr()
 
 
-@onlyCUDA
+@onlyCUDAExt
 @pytest.mark.parametrize("n", range(1, 9))
 def test_scatter_host_fused_mixed_dtypes_share_one_buffer_per_device(n):
     leaves = [make((13, 4), dt) for dt in DTYPES]
@@ -237,7 +227,7 @@ def test_scatter_host_fused_mixed_dtypes_share_one_buffer_per_device(n):
             assert t.data_ptr() % 256 == 0
 
 
-@onlyCUDA
+@onlyCUDAExt
 def test_scatter_host_large_input_pipelines_through_small_pool():
     prev = _C.pinned_pool_set_capacity(4 << 20)
     try:
@@ -254,7 +244,7 @@ def test_scatter_host_large_input_pipelines_through_small_pool():
         _C.pinned_pool_set_capacity(prev)
 
 
-@onlyCUDA
+@onlyCUDAExt
 def test_scatter_host_with_pool_disabled_falls_back_to_torch_copies():
     prev = _C.pinned_pool_set_capacity(0)
     try:
@@ -263,7 +253,7 @@ def test_scatter_host_with_pool_disabled_falls_back_to_torch_copies():
         _C.pinned_pool_set_capacity(prev)
 
 
-@onlyCUDA
+@onlyCUDAExt
 def test_scatter_cuda_oom_leaks_no_pinned_block_and_next_call_works():
     leaf = make((256, 1 << 18), torch.float32)  # 256 MiB
     torch.cuda.empty_cache()
@@ -278,7 +268,7 @@ def test_scatter_cuda_oom_leaks_no_pinned_block_and_next_call_works():
     run_case([make((8, 4), torch.float32)], 2, 0, cuda_devices(2))
 
 
-@onlyCUDA
+@onlyCUDAExt
 def test_scatter_current_stream_sees_the_copies():
     s = torch.cuda.Stream()
     leaf = make((1 << 12, 1 << 10), torch.float32)
@@ -289,7 +279,7 @@ def test_scatter_current_stream_sees_the_copies():
     assert torch.allclose(total.cpu(), leaf.sum(), rtol=1e-4)
 
 
-@onlyMultiGPU
+@onlyMultiGPUExt
 @pytest.mark.parametrize("source", ["cpu", "cuda:0"])
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_scatter_distinct_gpus(source, dim):

@@ -11,8 +11,8 @@ from torch.testing import assert_close
 
 from fastdp import FastDataParallel, data_parallel
 from fastdp.scatter_gather import gather, scatter, scatter_kwargs
+from fastdp.testing import CPU
 
-CPU = torch.device("cpu")
 Pair = namedtuple("Pair", ["a", "b"])
 
 

@@ -9,7 +9,7 @@ glance: how far fastdp is from the chunked floor (the bare module on the same ch
 and how much faster it is than DataParallel's algorithm. Every figure: at most 1600 px wide, text >=
 10 pt and horizontal (axis titles of y axes aside), bars only on linear axes with their values
 printed, every plotted series in the legend, colours from the Okabe-Ito colour-blind-safe palette.
-tests/test_bench_plots.py checks these on the figures of a real run.
+tests/test_tools_bench_plots.py checks these on the figures of a real run.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ threads, also when the model refers back to it (a hook closing over the wrapper)
 snapshots (``DictSnapshot``, C++ or Python) are seen by the garbage collector."""
 
 import gc
-import threading
 import time
 import weakref
 
@@ -12,14 +11,11 @@ import torch
 from torch import nn
 
 from fastdp import FastDataParallel
+from fastdp.testing import worker_threads
 
 # NOTE [ Tests under each launch strategy ] in tests/conftest.py; both storage modes, and the
 # C++ snapshot (``ext``) and the Python one (``torch``).
 pytestmark = pytest.mark.usefixtures("launch", "storage", "backend")
-
-
-def _workers() -> int:
-    return sum(t.name.startswith("fastdp-worker") for t in threading.enumerate())
 
 
 def _wrapper_in_a_cycle():
@@ -42,13 +38,13 @@ def test_wrapper_referred_to_by_a_hook_is_collected_with_its_model():
 
 
 def test_worker_threads_end_once_such_a_wrapper_is_collected():
-    before = _workers()
+    before = len(worker_threads())
     _wrapper_in_a_cycle()
     gc.collect()
     deadline = time.monotonic() + 10
-    while _workers() > before and time.monotonic() < deadline:
+    while len(worker_threads()) > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _workers() <= before
+    assert len(worker_threads()) <= before
 
 
 def test_dict_snapshot_releases_what_it_holds_when_collected_in_a_cycle():

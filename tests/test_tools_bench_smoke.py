@@ -8,12 +8,11 @@ import json
 import os
 
 import pytest
-import torch
 
 from fastdp.bench import cli, suites_gpu
+from fastdp.testing import HAS_CUDA
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
-HAS_CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")

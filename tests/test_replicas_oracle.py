@@ -26,7 +26,7 @@ Environment: ``FASTDP_ORACLE_EXAMPLES`` (programs per backend and storage mode; 
 derandomized), ``FASTDP_ORACLE_STEPS`` (operations per program, default 10),
 ``FASTDP_ORACLE_SEED`` (a seed instead of derandomizing), ``FASTDP_ORACLE_SKIP`` (comma-separated
 feature or operation names to leave out of the grammar; default none). Deep run:
-``FASTDP_ORACLE_EXAMPLES=2000 python -m pytest -q tests/test_oracle.py``.
+``FASTDP_ORACLE_EXAMPLES=2000 python -m pytest -q tests/test_replicas_oracle.py``.
 """
 
 from __future__ import annotations

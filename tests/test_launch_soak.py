@@ -3,7 +3,7 @@
 The CI variant runs ``FASTDP_SOAK_STEPS`` steps (default 2000: ~15 s on two cores, both variants).
 The long variant is the same test with more steps:
 
-    FASTDP_SOAK_STEPS=10000 PYTHONPATH=. python -m pytest tests/test_soak.py -q -s
+    FASTDP_SOAK_STEPS=10000 PYTHONPATH=. python -m pytest tests/test_launch_soak.py -q -s
 
 Each step is a forward, backward and SGD step of a small MLP with a running-mean buffer (updated
 in place, like BatchNorm's), LayerNorm and dropout on 4 CPU replicas, with batch sizes that vary:

@@ -15,8 +15,7 @@ from torch.testing import assert_close
 
 from fastdp import FastDataParallel
 from fastdp import scatter_gather as sg
-
-CPU = torch.device("cpu")
+from fastdp.testing import CPU
 
 
 def _dp_rule(tensors: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:

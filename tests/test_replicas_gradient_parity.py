@@ -9,6 +9,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from fastdp import FastDataParallel
+from fastdp.testing import grads_of
 
 # NOTE [ Tests under each launch strategy ] in tests/conftest.py; every test also runs in both
 # storage modes and on both backends (the C++ bucket node and the Python one).
@@ -61,17 +62,13 @@ def _square_sum(out):
     return (out**2).sum()  # a gradient of the output's own memory (no expanded ones)
 
 
-def _grads(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
 def _wrapped_grads(model, inputs, n, steps=2, **kw):
     """``.grad`` after the last of ``steps`` steps (the persistent nodes serve steps 2 on)."""
     dp = FastDataParallel(model, device_ids=["cpu"] * n, **kw)
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         _square_sum(dp(*inputs)).backward()
-    return _grads(model)
+    return grads_of(model)
 
 
 def _chunked_grads(model, inputs, n):
@@ -79,7 +76,7 @@ def _chunked_grads(model, inputs, n):
     model.zero_grad(set_to_none=True)
     chunks = zip(*(torch.chunk(x, n) for x in inputs))
     _square_sum(torch.cat([model(*c) for c in chunks])).backward()
-    return _grads(model)
+    return grads_of(model)
 
 
 def _assert_same(got, want):
@@ -116,7 +113,7 @@ def _sums_out_of_place(model, inputs, n, **kw):
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         _square_sum(dp(*inputs)).backward()
-    _assert_same(_grads(model), _wrapped_grads(model, inputs, n, persistent=False))
+    _assert_same(grads_of(model), _wrapped_grads(model, inputs, n, persistent=False))
     return dp.comm_stats()["sums_out_of_place"]
 
 
@@ -189,5 +186,5 @@ def test_compiled_autograd_step_gives_dataparallels_gradients(cap_mb):
             loss = _square_sum(dp(x))
             with ca._enable(torch.compile(backend="eager")):
                 loss.backward()
-        results.append(_grads(model))
+        results.append(grads_of(model))
     _assert_same(results[1], results[0])

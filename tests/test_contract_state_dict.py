@@ -1,4 +1,5 @@
-"""Checkpoint interop: ``module.``-prefixed / bare keys, ``fastdp.unwrap``, DDP, FSDP2 (point 4)."""
+"""Checkpoint interop: ``module.``-prefixed / bare keys, ``fastdp.unwrap``, DDP, FSDP2 (point 4),
+checkpoints saved through ``torch.compile``."""
 
 import io
 
@@ -9,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import fastdp
+from fastdp import FastDataParallel
 from fastdp._state_dict import _strip
 
 
@@ -163,3 +165,19 @@ def test_inner_module_named_module_is_not_confused():
     dst2 = fastdp.FastDataParallel(Holder(13))
     dst2.load_state_dict(fastdp.FastDataParallel(src).state_dict())
     _assert_same(dst2, src)
+
+
+def test_checkpoints_saved_through_torch_compile_load_and_unwrap():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    compiled = torch.compile(FastDataParallel(m, device_ids=["cpu"] * 2))
+    sd = compiled.state_dict()
+    assert all(k.startswith("_orig_mod.module.") for k in sd)
+    fresh = FastDataParallel(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), device_ids=["cpu"] * 2
+    )
+    fresh.load_state_dict(sd)
+    for a, b in zip(fresh.parameters(), m.parameters()):
+        assert torch.equal(a, b)
+    assert fastdp.unwrap(compiled) is m
+    inner = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    inner.load_state_dict(fastdp.unwrap(compiled).state_dict())

@@ -1,4 +1,6 @@
-"""Errors: replica exceptions keep their type and say where; DataParallel's texts kept verbatim."""
+"""Errors: replica exceptions keep their type and say where; DataParallel's texts kept verbatim;
+what a new user of the swap-in hits: clear errors for inputs no replica can take, DataParallel's
+pass-through for ``device_ids=[]``."""
 
 import pytest
 import torch
@@ -6,7 +8,8 @@ from torch import nn
 
 from fastdp import FastDataParallel
 
-pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
+# The replica errors run under each launch strategy, the swap-in's at the end once.
+each_launch = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
 
 
 class FailIn(nn.Module):
@@ -21,6 +24,7 @@ class FailIn(nn.Module):
         return self.lin(x)
 
 
+@each_launch
 def test_replica_exception_keeps_type_and_names_replica_and_device(backend):
     fdp = FastDataParallel(FailIn(KeyError("missing"), 2), device_ids=["cpu"] * 2)
     with pytest.raises(KeyError) as info:
@@ -30,6 +34,7 @@ def test_replica_exception_keeps_type_and_names_replica_and_device(backend):
     assert "Original Traceback" in text and "raise self.exc" in text
 
 
+@each_launch
 def test_replica_exception_of_custom_type(backend):
     class MyError(RuntimeError):
         pass
@@ -40,6 +45,7 @@ def test_replica_exception_of_custom_type(backend):
     assert fdp(torch.ones(4, 2)).shape == (4, 2)  # the next step works
 
 
+@each_launch
 def test_module_on_wrong_device_keeps_dataparallels_message(backend):
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     fdp = FastDataParallel(m, device_ids=["cpu"] * 2)
@@ -51,6 +57,7 @@ def test_module_on_wrong_device_keeps_dataparallels_message(backend):
         fdp(torch.ones(4, 2))
 
 
+@each_launch
 def test_scripted_modules_are_replicated(backend):
     torch.manual_seed(0)
     m = torch.jit.script(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)))
@@ -61,6 +68,7 @@ def test_scripted_modules_are_replicated(backend):
     assert all(p.grad is not None for p in m.parameters())
 
 
+@each_launch
 def test_unreplicatable_script_modules_keep_dataparallels_message(backend, monkeypatch):
     """Modern torch.jit scripts python children recursively, so the case can't be built by hand;
     the check itself is torch's (_replicatable_module), the message must stay verbatim."""
@@ -75,6 +83,7 @@ def test_unreplicatable_script_modules_keep_dataparallels_message(backend, monke
         fdp(torch.ones(4, 2))
 
 
+@each_launch
 def test_lazy_modules_must_be_initialised_first(backend):
     fdp = FastDataParallel(nn.Sequential(nn.LazyLinear(3)), device_ids=["cpu"] * 2)
     # nn.DataParallel raises ValueError("Attempted to use an uninitialized parameter ...");
@@ -87,6 +96,44 @@ def test_lazy_modules_must_be_initialised_first(backend):
         fdp(torch.ones(4, 5))
 
 
+@each_launch
 def test_mixed_cpu_and_cuda_ids_are_rejected():
     with pytest.raises(ValueError, match="mixes CPU and CUDA"):
         FastDataParallel(nn.Linear(2, 2), device_ids=["cpu", 0])
+
+
+# ---- what a new user of the swap-in hits ------------------------------------------------------
+
+
+class Sum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, **kw):
+        return self.w * 0 + 1.0
+
+
+@pytest.mark.parametrize(
+    "make,kind",
+    [
+        (lambda: torch.eye(4).to_sparse(), "sparse_coo"),
+        (lambda: torch.eye(4).to_sparse_csr(), "sparse_csr"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+    ],
+)
+def test_unsplittable_inputs_get_fastdps_message_naming_the_leaf(make, kind):
+    fdp = FastDataParallel(Sum(), device_ids=["cpu"] * 2)
+    with pytest.raises(TypeError, match=rf"input kwargs\['feats'\] is a .*{kind}.*whole"):
+        fdp(torch.ones(4, 1), feats=make())
+    with pytest.raises(TypeError, match=rf"input inputs\[0\] is a .*{kind}"):
+        fdp(make())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the pass-through is for CUDA-less machines")
+def test_empty_device_ids_without_cuda_run_the_module_as_dataparallel_does():
+    m = nn.Linear(3, 2)
+    fdp, dp = FastDataParallel(m, device_ids=[]), nn.DataParallel(m, device_ids=[])
+    x = torch.randn(4, 3)
+    assert fdp.device_ids == dp.device_ids == []
+    assert torch.equal(fdp(x), dp(x))

@@ -7,7 +7,7 @@ hooks, reassigned buffers and submodules, in-place writes), how backward is call
 or with originals edited between micro-steps, two threads calling one wrapper, and saving the
 replicas. Every test runs in both storage modes (CPU replicas aliasing the originals, and with
 storage of their own) and under every launch strategy; the differential oracle
-(tests/test_oracle.py) draws such programs at random.
+(tests/test_replicas_oracle.py) draws such programs at random.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fastdp import FastDataParallel
+from fastdp.testing import grads_of
 
 pytestmark = pytest.mark.usefixtures("launch", "storage", "backend")
 
@@ -35,12 +36,8 @@ def _pair(net: nn.Module, n: int = 2, **kw) -> tuple[FastDataParallel, FastDataP
     )
 
 
-def _grads(m: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {k: None if p.grad is None else p.grad.clone() for k, p in m.named_parameters()}
-
-
 def _assert_same(a: FastDataParallel, b: FastDataParallel) -> None:
-    ga, gb = _grads(a.module), _grads(b.module)
+    ga, gb = grads_of(a.module), grads_of(b.module)
     assert {k: v is None for k, v in ga.items()} == {k: v is None for k, v in gb.items()}
     for k, v in ga.items():
         if v is not None:

@@ -1,8 +1,5 @@
-"""Persistent replicas: built once, refreshed every step, rebuilt on every kind of change.
-
-Each change scenario steps, changes the model, steps again and compares outputs and gradients with
-the plain module on the whole batch. ``test_scenarios_fail_without_*`` re-run them against a cache
-that never invalidates (or never refreshes) and require a mismatch: the tests can fail.
+"""Persistent replicas: built once, refreshed every step, kept across steps and through inference
+mode, released with the wrapper. Rebuilt on every kind of change: tests/test_replicas_staleness.py.
 """
 
 import copy
@@ -15,177 +12,21 @@ import weakref
 
 import pytest
 import torch
+from models import ScaledMLP
 from torch import nn
 from torch.testing import assert_close
 
 from fastdp import FastDataParallel
-from fastdp._replica_set import ReplicaSet
+from fastdp.testing import output_and_grads, worker_threads
 
 pytestmark = pytest.mark.usefixtures("launch")  # NOTE [ Tests under each launch strategy ]
 
 N = 3
 
 
-class Scaled(nn.Module):
-    def __init__(self, dropout=False):
-        super().__init__()
-        self.lin1, self.act, self.lin2 = nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)
-        if dropout:
-            self.act = nn.Sequential(nn.ReLU(), nn.Dropout(0.5))
-        self.scale = 1.0
-
-    def forward(self, x):
-        return self.lin2(self.act(self.lin1(x))) * self.scale
-
-
-def _new_lin1(m):
-    m.lin1 = nn.Linear(6, 8)
-
-
-def _append(m):
-    m.lin2 = nn.Sequential(m.lin2, nn.Tanh())
-
-
-def _new_param(m):
-    m.lin1.weight = nn.Parameter(torch.randn(8, 6))
-
-
-def _data_swap(m):
-    m.lin1.weight.data = torch.randn(8, 6)
-
-
-def _double(m):
-    m.double()
-
-
-def _eval_mode(m):
-    m.eval()  # dropout must be off in every replica
-
-
-def _hook_added(m):
-    m._hook = m.lin2.register_forward_hook(lambda mod, i, o: o * 2)
-
-
-def _attribute(m):
-    m.scale = 3.0
-
-
-def _state_dict(m):
-    torch.manual_seed(7)
-    m.load_state_dict(Scaled().state_dict())
-
-
-def _state_dict_assign(m):
-    torch.manual_seed(8)
-    m.load_state_dict(Scaled().state_dict(), assign=True)
-
-
-def _register_buffer(m):
-    m.lin1.register_buffer("unused", torch.ones(2))
-    m.scale = 0.5
-
-
-def _inplace(m):
-    with torch.no_grad():
-        m.lin1.weight.mul_(-2)
-
-
-def _requires_grad(m):
-    m.lin1.weight.requires_grad_(False)
-
-
-# name -> (change, what must catch it: "invalidation" or "refresh")
-SCENARIOS = {
-    "replace_submodule": (_new_lin1, "invalidation"),
-    "module_tree": (_append, "invalidation"),
-    "parameter_identity": (_new_param, "invalidation"),
-    "parameter_data_swap": (_data_swap, "invalidation"),
-    "dtype_double": (_double, "invalidation"),
-    "eval_mode": (_eval_mode, "invalidation"),
-    "hook_added": (_hook_added, None),  # replicas share the hook dicts: no rebuild needed
-    "plain_attribute": (_attribute, "invalidation"),
-    "load_state_dict": (_state_dict, "refresh"),
-    "load_state_dict_assign": (_state_dict_assign, "invalidation"),
-    "register_buffer_and_attribute": (_register_buffer, "invalidation"),
-    "inplace_update": (_inplace, "refresh"),
-    "requires_grad": (_requires_grad, None),  # autograd's needs_input_grad handles it
-}
-
-
-def _fdp_step(fdp, x):
-    fdp.module.zero_grad(set_to_none=True)
-    out = fdp(x)
-    out.sum().backward()
-    return out.detach(), {n: p.grad for n, p in fdp.module.named_parameters()}
-
-
-def run_scenario(name):
-    """Returns (fastdp outputs, grads) and (plain outputs, grads) after the change."""
-    change, _ = SCENARIOS[name]
-    torch.manual_seed(0)
-    model = Scaled(dropout=name == "eval_mode")
-    fdp = FastDataParallel(model, device_ids=["cpu"] * N)
-    x = torch.randn(9, 6)
-    _fdp_step(fdp, x)
-    _fdp_step(fdp, x)  # the cache is warm
-    change(model)
-    xx = x.to(next(model.parameters()).dtype)
-    out, grads = _fdp_step(fdp, xx)
-    model.zero_grad(set_to_none=True)
-    ref = model(xx)
-    ref.sum().backward()
-    return (out, grads), (ref.detach(), {n: p.grad for n, p in model.named_parameters()})
-
-
-def _matches(a, b):
-    try:
-        assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
-        assert a[1].keys() == b[1].keys()
-        for k in a[1]:
-            if a[1][k] is None or b[1][k] is None:
-                assert a[1][k] is None and b[1][k] is None, k
-            else:
-                assert_close(a[1][k], b[1][k], rtol=1e-5, atol=1e-6)
-    except AssertionError:
-        return False
-    return True
-
-
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_change_between_steps_is_seen(backend, name):
-    got, ref = run_scenario(name)
-    assert _matches(got, ref)
-
-
-def _fails(name):
-    try:
-        got, ref = run_scenario(name)
-    except Exception:
-        return True  # a stale replica that raises also counts as caught
-    return not _matches(got, ref)
-
-
-def test_scenarios_fail_without_invalidation(monkeypatch):
-    monkeypatch.setattr(ReplicaSet, "valid", lambda self, verified=None: True)
-    caught = [n for n, (_, by) in SCENARIOS.items() if by == "invalidation"]
-    assert all(_fails(n) for n in caught), [n for n in caught if not _fails(n)]
-
-
-def test_scenarios_fail_without_refresh(monkeypatch):
-    """On the torch path, where the copy is a patchable Python method (the extension's copy is
-    inside its C++ refresh, exercised by every other test)."""
-    from fastdp import _backend
-
-    monkeypatch.setattr(_backend, "_enabled", False)
-    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")  # copies, as on other devices
-    monkeypatch.setattr(ReplicaSet, "copy_sources", lambda self: None)
-    caught = [n for n, (_, by) in SCENARIOS.items() if by == "refresh"]
-    assert all(_fails(n) for n in caught)
-
-
 def test_replicas_are_built_once_in_steady_state(backend, replica_builds):
     builds = replica_builds
-    model = Scaled()
+    model = ScaledMLP()
     fdp = FastDataParallel(model, device_ids=["cpu"] * N)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(5):
@@ -195,15 +36,6 @@ def test_replicas_are_built_once_in_steady_state(backend, replica_builds):
     assert len(builds) == 1
     r1 = fdp.replicate(model, fdp.device_ids)
     assert fdp.replicate(model, fdp.device_ids)[1] is r1[1]  # the same replica objects
-
-
-@pytest.mark.parametrize("alias", [True, False])
-def test_copy_path_matches_alias_path(backend, monkeypatch, alias):
-    """Replicas on another device hold copies; on one machine the copy path is forced."""
-    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0" if alias else "1")
-    for name in ("inplace_update", "load_state_dict", "parameter_data_swap"):
-        got, ref = run_scenario(name)
-        assert _matches(got, ref), name
 
 
 def test_same_device_replicas_alias_storage_with_own_versions(backend, monkeypatch):
@@ -250,7 +82,7 @@ def test_two_forwards_before_one_backward(backend):
     """The first graph is still pending when the second forward refreshes: no in-place
     clobbering of tensors it saved (plain PyTorch allows this pattern, so must we)."""
     torch.manual_seed(0)
-    model = Scaled()
+    model = ScaledMLP()
     fdp = FastDataParallel(model, device_ids=["cpu"] * N)
     a, b = torch.randn(9, 6), torch.randn(6, 6)
     fdp(a).sum().backward()
@@ -303,16 +135,12 @@ def test_autograd_grad_wrt_parameters(backend):
     assert_close(gw, torch.ones(2, 1) * x.sum(0))
 
 
-def _workers():
-    return [t for t in threading.enumerate() if t.name.startswith("fastdp-worker")]
-
-
 def test_deleting_the_wrapper_releases_threads_replicas_and_module(backend, launch):
-    before = set(_workers())  # other tests' workers may end meanwhile: follow this one's only
-    model = Scaled()
+    before = set(worker_threads())  # other tests' workers may end meanwhile: follow this one's only
+    model = ScaledMLP()
     fdp = FastDataParallel(model, device_ids=["cpu"] * 4)
     fdp(torch.randn(8, 6)).sum().backward()
-    mine = set(_workers()) - before
+    mine = set(worker_threads()) - before
     assert len(mine) == (0 if launch == "inline" else 4)  # auto: threads first
     replica = weakref.ref(fdp.replicate(model, fdp.device_ids)[1])
     wrapper, module = weakref.ref(fdp), weakref.ref(model)
@@ -382,14 +210,14 @@ def test_attributes_set_in_forward_do_not_outlive_the_step(backend):
 def test_first_call_in_inference_mode_then_training(backend):
     """Replica tensors made inside inference_mode must still serve later training steps."""
     torch.manual_seed(0)
-    model = Scaled()
+    model = ScaledMLP()
     fdp = FastDataParallel(model, device_ids=["cpu"] * N)
     x = torch.randn(9, 6)
     with torch.inference_mode():
         assert_close(fdp(x), model(x))
     with torch.no_grad():
         fdp(x)
-    got = _fdp_step(fdp, x)
+    got = output_and_grads(fdp, x)
     model.zero_grad(set_to_none=True)
     model(x).sum().backward()
     for n, p in model.named_parameters():
@@ -401,7 +229,7 @@ def test_held_outputs_across_steps_stay_correct(backend, monkeypatch):
     copies (as on other devices) must then not be overwritten under those graphs."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
     torch.manual_seed(0)
-    model = Scaled()
+    model = ScaledMLP()
     fdp = FastDataParallel(model, device_ids=["cpu"] * N)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = copy.deepcopy(model)

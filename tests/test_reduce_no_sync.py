@@ -118,7 +118,7 @@ def test_no_sync_saves_one_reduction_per_micro_step(backend, use_no_sync):
 
 
 def test_no_sync_replica_leaves_persist_and_two_forwards_before_backward(replica_storage):
-    # BatchNorm and forwards that renew the set: tests/test_no_sync_lifecycle.py
+    # BatchNorm and forwards that renew the set: tests/test_reduce_no_sync_lifecycle.py
     net, ref, dp = _setup(bn=False)
     torch.manual_seed(1)
     xs = [torch.randn(8, 8) for _ in range(3)]

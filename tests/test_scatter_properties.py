@@ -20,7 +20,7 @@ Properties (each over CPU replica sets of 1-8 devices):
 
 Examples: ``FASTDP_HYPOTHESIS_EXAMPLES`` per property (default 2000), derandomized (a fixed seed per
 test), no example database. For a deeper run: ``FASTDP_HYPOTHESIS_EXAMPLES=50000 pytest
-tests/test_properties.py``. Tensors are small so the default run takes about a minute.
+tests/test_scatter_properties.py``. Tensors are small so the default run takes about a minute.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch._prims_common import suggest_memory_format
 
 from fastdp import _backend
 from fastdp.scatter_gather import gather, scatter, scatter_kwargs
+from fastdp.testing import PROPERTY_DTYPES
 
 EXAMPLES = int(os.environ.get("FASTDP_HYPOTHESIS_EXAMPLES", "2000"))
 PROPERTY = settings(
@@ -48,18 +49,6 @@ PROPERTY = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-DTYPES = [
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-]
 LAYOUTS = ["contiguous", "transposed", "sliced", "expanded", "channels_last"]
 DIMS = [0, 1, 2, -1, -2]
 
@@ -89,7 +78,7 @@ tensor_specs = st.builds(
     TensorSpec,
     ndim=st.integers(1, 4),
     sizes=st.tuples(*[st.integers(0, 3)] * 4),
-    dtype=st.sampled_from(DTYPES),
+    dtype=st.sampled_from(PROPERTY_DTYPES),
     layout=st.sampled_from(LAYOUTS),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -376,7 +365,7 @@ def _flat_specs_strategy():
             TensorSpec,
             ndim=st.integers(1, 3),
             sizes=st.tuples(*[st.integers(0, 5)] * 4),
-            dtype=st.sampled_from(DTYPES),
+            dtype=st.sampled_from(PROPERTY_DTYPES),
             layout=st.sampled_from(LAYOUTS),
             seed=st.integers(0, 2**31 - 1),
         ),
