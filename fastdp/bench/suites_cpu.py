@@ -365,14 +365,22 @@ def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
     ]): building ``nn.Sequential(Linear(32, 32) x layers)`` (default init) with no wrapper
     (``without``) and while a persistent wrapper that has run a step is alive (``with``),
     alternated (the wrapper made and dropped outside the timed build), gc collected before each.
-    The record says whether ``nn.Module``'s attributes are torch's own in both states."""
+    The record says whether ``nn.Module``'s attributes stay the ones it had before the first
+    wrapper of the run and none of them (or what it wraps) is fastdp's: other libraries add their
+    own (transformers sets ``nn.Module.smart_apply``), which says nothing about fastdp."""
+    before = dict(vars(nn.Module))
+
+    def fastdps(f: object) -> bool:
+        while f is not None:
+            if getattr(f, "__module__", None) and f.__module__.startswith("fastdp"):
+                return True
+            f = getattr(f, "__wrapped__", None)
+        return False
 
     def untouched() -> bool:
-        return all(
-            getattr(f, "__module__", "torch").startswith("torch") and not hasattr(f, "__wrapped__")
-            for f in vars(nn.Module).values()
-            if callable(f)
-        )
+        now = vars(nn.Module)
+        same = now.keys() == before.keys() and all(now[k] is before[k] for k in before)
+        return same and not any(fastdps(f) for f in now.values() if callable(f))
 
     def run() -> list[dict]:
         import gc
