@@ -121,7 +121,7 @@ class Oracle(RuleBasedStateMachine):
         n=st.integers(2, 4),
         cap=st.sampled_from([1e-4, _buckets.DEFAULT_CAP_MB]),
         launch=st.sampled_from(LAUNCHES),
-        opt=st.sampled_from(["sgd", "adamw"]),
+        opt=st.sampled_from(["sgd", "adamw", "sgd+zero", "adamw+zero"]),
         seed=st.integers(0, 2**16),
     )
     def build(self, feats, n, cap, launch, opt, seed):
@@ -196,8 +196,11 @@ class Oracle(RuleBasedStateMachine):
         zero=st.sampled_from(["none", "zeros", "keep"]),
         skip=st.none() | st.integers(0, 3),
         subset=st.integers(1, 2**12 - 1),
+        then_step=st.booleans(),
     )
-    def train_step(self, b, loss, zero, skip, subset):
+    def train_step(self, b, loss, zero, skip, subset, then_step):
+        """zero_grad, forward, a backward of one kind, then (``then_step``) the optimizers'
+        step, as a training loop does."""
         if "checkpoint" in self.feats and loss in ("autograd_grad", "backward_inputs"):
             loss = "backward"  # a reentrant checkpoint raises for both, after partial work
         if self.hooked_checkpoint:  # see post_hook()
@@ -229,6 +232,8 @@ class Oracle(RuleBasedStateMachine):
             self.each(twice, outs)
         else:
             self.each(lambda r, o: r.backward((o * w).sum()), outs)
+        if then_step and "optimizer" not in LEFT_OUT:
+            self.each(lambda r: r.step())
 
     @precondition(lambda self: "no_sync" not in LEFT_OUT and not self.hooked_checkpoint)
     @rule(b=st.integers(1, 12), skip=st.none() | st.integers(0, 3))
