@@ -176,8 +176,9 @@ class ZeroRedundancyOptimizer(Optimizer):
             view changes nothing, and ``overlap_with_ddp`` must stay False.
         devices: keyword-only; the owners' devices, one per replica index (default: the
             ``device_ids`` of the ``FastDataParallel`` whose module holds ``params``).
-        launch: keyword-only; ``"threads"`` (the owners step at once, one worker each),
-            ``"inline"`` (in turn) or None: the wrapper's launch (``auto``: what it picked last).
+        launch: keyword-only; ``"threads"`` (every owner at once, one worker each),
+            ``"inline"`` (in turn, on the caller's thread) or None: owners on distinct devices
+            at once, those sharing a device in turn (``"inline"`` where the wrapper's is).
         **defaults: ``optimizer_class``'s keyword arguments (``lr``, ...).
 
     ``state_dict()`` is torch's layout for ``optimizer_class`` over ``params``: it loads into a
@@ -241,21 +242,30 @@ class ZeroRedundancyOptimizer(Optimizer):
         return self._owner.get(id(p)) if isinstance(p, torch.Tensor) else None
 
     def _assign(self, params: Sequence[torch.Tensor]) -> None:
-        """Greedy by bytes: the largest trainable tensor first, each to the least loaded owner
-        (ties to the highest index: index 0 also holds the originals and their gradients).
-        Frozen parameters (no state ever) go to owner 0 without a copy."""
-        trainable = sorted((p for p in params if p.requires_grad), key=lambda p: -nbytes(p))
+        """By bytes, in contiguous runs: the trainable parameters, in order, cut into one run per
+        owner of about equal bytes (a tensor goes to the run its middle byte falls in, so each
+        run is within one tensor of total/n); the largest run to the least loaded owner, ties to
+        the highest index (index 0 also holds the originals and their gradients). Runs keep each
+        owner's tensors in the order they were allocated in (a strided pick is measurably slower
+        for thousands of small tensors). Frozen parameters (no state) go to owner 0, uncopied."""
+        trainable = [p for p in params if p.requires_grad]
+        n, total = len(self._shards), sum(nbytes(p) for p in trainable)
+        runs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        done = 0
         for p in trainable:
-            shard = min(reversed(self._shards), key=lambda s: s.load)
-            shard.load += nbytes(p)
-            self._owner[id(p)] = shard
+            runs[min(n - 1, int((done + nbytes(p) / 2) * n / max(total, 1)))].append(p)
+            done += nbytes(p)
+        by_size = sorted(runs, key=lambda r: -sum(nbytes(p) for p in r))
+        owners = sorted(self._shards, key=lambda s: (s.load, -s.index))
+        for run, shard in zip(by_size, owners):
+            for p in run:
+                self._owner[id(p)] = shard
+                shard.load += nbytes(p)
         for p in params:
             if id(p) not in self._owner:
                 self._owner[id(p)] = self._shards[0]
-        for p in params:
-            shard = self._owner[id(p)]
-            if p.requires_grad and shard.copies:
-                shard.adopt(p)
+            elif p.requires_grad and self._owner[id(p)].copies:
+                self._owner[id(p)].adopt(p)
 
     def _local_group(self, group: dict[str, Any], shard: _Shard) -> dict[str, Any]:
         local = {k: v for k, v in group.items() if k != "params"}
@@ -291,33 +301,46 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # ----- the step
 
-    def _launch_mode(self) -> str:
-        if self._launch is not None:
-            return self._launch
+    def _workers(self) -> list[list[_Shard]]:
+        """The owners with parameters, grouped by what steps them together: one group per device
+        (owners sharing a device step in turn: concurrency there only contends for it), one per
+        owner under ``launch="threads"``, one group of all under ``"inline"`` or when the
+        wrapper's launch is ``"inline"``."""
+        busy = [s for s in self._shards if any(g["params"] for g in s.optimizer.param_groups)]
         wrapper = self._wrapper() if self._wrapper is not None else None
-        if wrapper is None or wrapper.launch == "threads":
-            return "threads"
-        if wrapper.launch == "inline":
-            return "inline"
-        return wrapper.last_launch or "threads"
+        mode = self._launch or (
+            "inline" if wrapper is not None and wrapper.launch == "inline" else None
+        )
+        if mode == "threads":
+            return [[s] for s in busy]
+        if mode == "inline":
+            return [busy]
+        per_device: dict[torch.device, list[_Shard]] = {}
+        for s in busy:
+            per_device.setdefault(s.device, []).append(s)
+        return list(per_device.values())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Every owner steps its parameters (at once under ``"threads"``); the originals hold the
-        updated values when it returns. ``closure`` runs once, first, on the caller's thread."""
+        """Every owner steps its parameters (owners on distinct devices at once, one worker
+        thread each); the originals hold the updated values when it returns. ``closure`` runs
+        once, first, on the caller's thread."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._push_group_settings()
-        busy = [s for s in self._shards if any(g["params"] for g in s.optimizer.param_groups)]
-        streams = [
-            torch.cuda.current_stream(s.device) if s.device.type == "cuda" else None for s in busy
+        groups = [
+            [
+                (s, torch.cuda.current_stream(s.device) if s.device.type == "cuda" else None)
+                for s in g
+            ]
+            for g in self._workers()
         ]
-        if self._launch_mode() == "threads" and len(busy) > 1:
-            errors = self._pool.run([_bind(s, st) for s, st in zip(busy, streams)])
+        if len(groups) > 1:
+            errors = [e for es in self._pool.run([_bind(g) for g in groups]) for e in es]
         else:
-            errors = [s.step(st) for s, st in zip(busy, streams)]
+            errors = [s.step(st) for g in groups for s, st in g]
         for e in errors:
             if e is not None:
                 raise e
@@ -408,8 +431,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         )
 
 
-def _bind(shard: _Shard, stream: Any) -> Callable[[], BaseException | None]:
-    return lambda: shard.step(stream)
+def _bind(group: list[tuple[_Shard, Any]]) -> Callable[[], list[BaseException | None]]:
+    return lambda: [shard.step(stream) for shard, stream in group]
 
 
 def _check_arguments(

@@ -59,23 +59,29 @@ class _Meeting(torch.optim.SGD):
         return super().step(closure)
 
 
-@pytest.mark.parametrize("launch", ["threads", None])
-def test_owners_step_at_once_one_worker_each(launch):
+def test_threads_step_every_owner_at_once_one_worker_each():
     _Meeting.barrier, _Meeting.threads = threading.Barrier(4), set()
     model = fastdp.FastDataParallel(nn.Linear(64, 64), ["cpu"] * 4, launch="threads")
     big = nn.Linear(64, 64)
     model.module.extra = big  # four tensors of which two large: every owner gets one
-    opt = fastdp.ZeroRedundancyOptimizer(model.parameters(), _Meeting, launch=launch, lr=0.1)
+    opt = fastdp.ZeroRedundancyOptimizer(model.parameters(), _Meeting, launch="threads", lr=0.1)
     model(torch.randn(8, 64)).sum().backward()
     big.weight.grad = torch.ones_like(big.weight)
     opt.step()
     assert len(_Meeting.threads) == 4 and threading.current_thread().name not in _Meeting.threads
 
 
-def test_inline_steps_owners_in_turn_on_the_caller():
+@pytest.mark.parametrize("launch,wrapper_launch", [("inline", "threads"), (None, "threads")])
+@pytest.mark.parametrize("storage_", ["alias", "distinct"])
+def test_owners_sharing_a_device_step_in_turn_on_the_caller(
+    monkeypatch, launch, wrapper_launch, storage_
+):
+    """``"inline"``, and by default owners on one device (CPU replicas, whatever the storage):
+    concurrency there would only contend for the device."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if storage_ == "distinct" else "0")
     _Meeting.barrier, _Meeting.threads = threading.Barrier(1), set()
-    model = fastdp.FastDataParallel(nn.Linear(6, 4), ["cpu"] * 2)
-    opt = fastdp.ZeroRedundancyOptimizer(model.parameters(), _Meeting, launch="inline", lr=0.1)
+    model = fastdp.FastDataParallel(nn.Linear(6, 4), ["cpu"] * 2, launch=wrapper_launch)
+    opt = fastdp.ZeroRedundancyOptimizer(model.parameters(), _Meeting, launch=launch, lr=0.1)
     model(torch.randn(4, 6)).sum().backward()
     opt.step()
     assert _Meeting.threads == {threading.current_thread().name}

@@ -15,10 +15,18 @@ from collections.abc import Callable
 
 import torch
 
-from fastdp.bench import machine, plots, report, suite_compile, suites_cpu, suites_gpu
+from fastdp.bench import (
+    machine,
+    plots,
+    report,
+    suite_compile,
+    suite_zero,
+    suites_cpu,
+    suites_gpu,
+)
 from fastdp.bench.runner import Settings, Task, run_tasks
 
-CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build")
+CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build", "zero")
 GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
 MULTI_SUITES = ("multigpu-comm", "multigpu-replicate", "multigpu-steps")
 OPT_SUITES = ("compile",)  # only on request: compiling takes minutes
@@ -38,6 +46,7 @@ _PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
     "multigpu-replicate": lambda s: suites_gpu.replicate_gpu_tasks(s, multi=True),
     "multigpu-steps": lambda s: suites_gpu.step_tasks(s, multi=True),
     "compile": suite_compile.compile_tasks,
+    "zero": suite_zero.zero_tasks,
 }
 
 
@@ -59,7 +68,7 @@ def auto_suites() -> list[str]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0:
         return list(CPU_SUITES)
-    chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build"]
+    chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build", "zero"]
     return chosen + (list(MULTI_SUITES) if gpus >= 2 else [])
 
 

@@ -259,6 +259,18 @@ def _bytes(n: int | None) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def _maybe_bytes(n: int | None) -> str:
+    return "-" if n is None else _bytes(n) if n >= 1 << 10 else f"{n} B"
+
+
+def _per_index(r: dict) -> str:
+    return " ".join(_maybe_bytes(b) for b in r.get("optimizer_bytes") or []) or "-"
+
+
+def _zero_copies(r: dict) -> str:
+    return _maybe_bytes(r.get("zero_copy_bytes_per_step"))
+
+
 Field = str | Callable[[dict], object]
 
 
@@ -320,6 +332,14 @@ SECTIONS: dict[str, tuple[str, list[tuple[str, Field]]]] = {
         [WORKLOAD, DEVICES, RAW_MODE, STATUS, MEDIAN, MIN, X_FLOOR]
         + [("x eager", "ratios.vs_fastdp_eager"), ("first step s", "first_step_s")]
         + [("frames", "frames_first_step"), ("recompiles/20", "recompiles_20_steps")],
+    ),
+    "zero": (
+        "ZeroRedundancyOptimizer (AdamW) against the unsharded AdamW: training step ms (forward, "
+        "backward, optimizer step) and the optimizer step alone; optimizer state per replica index",
+        [WORKLOAD, ("storage", "storage"), DEVICES, RAW_MODE, STATUS, MEDIAN, MIN, X_FLOOR]
+        + [("x unsharded", "ratios.vs_unsharded"), ("state per index", _per_index)]
+        + [("index 0 share", "index0_share"), ("copied/step", _zero_copies)]
+        + [("reduce+refresh/step", lambda r: _maybe_bytes(r.get("reduce_refresh_bytes_per_step")))],
     ),
     "module-build": (
         "Building nn.Sequential(Linear(32, 32) x layers) while a persistent wrapper "
