@@ -407,7 +407,7 @@ def test_broadcast_coalesced_copies_bit_exact(specs, n, buffer_size):
     layout = _buckets.Layout(tensors, devices, range(1, n), buffer_size)  # the step's refresh
     layout.refresh(tensors, None)
     for j in range(1, n):
-        for c, t in zip(layout.rows[j], tensors):
+        for c, t in zip(layout.per_replica[j], tensors):
             assert_same(c, t)
 
 
