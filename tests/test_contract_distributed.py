@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import ROOT
 from torch import nn
 from torch.testing import assert_close
 
@@ -16,7 +17,6 @@ import fastdp
 from fastdp import distributed
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 Batch = namedtuple("Batch", "x meta")
 
 

@@ -32,7 +32,7 @@ MULTI_SUITES = ("multigpu-comm", "multigpu-replicate", "multigpu-steps")
 OPT_SUITES = ("compile",)  # only on request: compiling takes minutes
 ALL_SUITES = CPU_SUITES + GPU_SUITES + MULTI_SUITES + OPT_SUITES
 
-_PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
+_SUITE_TASKS: dict[str, Callable[[Settings], list[Task]]] = {
     "passthrough": suites_cpu.passthrough,
     "cpu-replicas": suites_cpu.cpu_replicas,
     "overhead": suites_cpu.overhead_tasks,
@@ -155,7 +155,7 @@ def _note(msg: str) -> None:
     print(f"fastdp.bench: {msg}", file=sys.stderr)
 
 
-def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
+def _tasks(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
     """The suites that run here, those skipped (with why), their tasks, and the profiles."""
     wanted = (
         auto_suites()
@@ -176,12 +176,12 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Tas
     tasks: list[Task] = []
     for s in suites:
         profile = profiles["gpu" if s in GPU_SUITES + MULTI_SUITES else "cpu"]
-        tasks += _PLANNERS[s](settings(profile, args.repeats, replicas))
+        tasks += _SUITE_TASKS[s](settings(profile, args.repeats, replicas))
     return suites, skipped, tasks, {**profiles, "replicas": list(replicas)}
 
 
 def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
-    suites, skipped, tasks, profiles = _plan(args)
+    suites, skipped, tasks, profiles = _tasks(args)
     meta = machine.describe(argv)
     load = machine.load_average()
     if load is not None and load > 0.5 * (os.cpu_count() or 1):

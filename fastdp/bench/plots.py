@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from fastdp.bench.report import STEP_SUITES, launch_rows, med
+from fastdp.bench.report import STEP_SUITES, launch_entries, med
 
 __all__ = ["OKABE_ITO", "DPI", "available", "plt", "figures", "write_all"]
 
@@ -145,7 +145,7 @@ def _devkey(r: dict) -> str:
     return f"{len(d)} replica{'s' if len(d) > 1 else ''} on {d[0]}"
 
 
-def _row_bars(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:  # noqa: ANN001
+def _bar_group(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:  # noqa: ANN001
     """Horizontal bars from ``y0`` down, one per (label, value, colour, text); value printed."""
     for j, (label, v, color, text) in enumerate(values):
         y = y0 + j * BAR_IN
@@ -204,7 +204,7 @@ def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> 
             v = med(r) / unit if r and unit else None
             text = times(v) if v is not None else (r or {}).get("status", "-")
             bars.append((LABELS[m], v, COLORS[m], text))
-        _row_bars(ax, y0, bars)
+        _bar_group(ax, y0, bars)
         mid = y0 + (len(modes) - 1) * BAR_IN / 2
         if unit_name == "floor" and g.get("bare") and unit:
             bare = med(g["bare"]) / unit
@@ -236,8 +236,8 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
         key = (r.get("replicas"), r.get("workload"), r.get("input"), r.get("step"))
         groups.setdefault(key, {})[r["mode"]] = r
     modes = [m for m in HEADLINE_MODES if any(r["mode"] == m for r in recs)]
-    rows = {p: [k for k in groups if k[0] == p] for p in panels}
-    heights = [len(rows[p]) * (len(modes) + 1) * BAR_IN + 0.9 for p in panels]
+    entries = {p: [k for k in groups if k[0] == p] for p in panels}
+    heights = [len(entries[p]) * (len(modes) + 1) * BAR_IN + 0.9 for p in panels]
     fig, axes = plt().subplots(
         len(panels),
         1,
@@ -246,7 +246,7 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
         gridspec_kw={"height_ratios": heights},
     )
     for ax, panel in zip(axes[:, 0], panels):
-        _steps_panel(ax, groups, rows[panel], modes, suite)
+        _steps_panel(ax, groups, entries[panel], modes, suite)
     legend_below(fig, axes[:, 0])
     fig.suptitle(
         f"{suite}: forward and training step time against the bare module and nn.DataParallel"
@@ -259,14 +259,16 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
 
 def launch_figure(records: list[dict]):  # noqa: ANN201
     """Each launch strategy's step time in units of the chunked floor; auto's pick printed."""
-    rows = [r for r in launch_rows(records) if r.get("floor_ms") and (r.get("replicas") or 0) > 1]
-    if not rows:
+    entries = [
+        r for r in launch_entries(records) if r.get("floor_ms") and (r.get("replicas") or 0) > 1
+    ]
+    if not entries:
         return None
-    suites = {r["suite"] for r in rows}
+    suites = {r["suite"] for r in entries}
     per = len(STRATEGIES) + 1
-    fig, ax = plt().subplots(figsize=(WIDTH_IN, len(rows) * per * BAR_IN + 2.2))
+    fig, ax = plt().subplots(figsize=(WIDTH_IN, len(entries) * per * BAR_IN + 2.2))
     ticks = []
-    for i, r in enumerate(rows):
+    for i, r in enumerate(entries):
         y0 = i * per * BAR_IN
         bars = []
         for name, color in STRATEGIES:
@@ -276,7 +278,7 @@ def launch_figure(records: list[dict]):  # noqa: ANN201
                 pick = r.get("auto_pick")
                 text += f"  (auto -> {pick if isinstance(pick, str) else 'mixed'})"
             bars.append((name, v, color, text))
-        _row_bars(ax, y0, bars)
+        _bar_group(ax, y0, bars)
         where = f"{r['suite']}: " if len(suites) > 1 else ""
         ticks.append(
             (
@@ -286,7 +288,7 @@ def launch_figure(records: list[dict]):  # noqa: ANN201
         )
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1.2, label=LABELS["floor"])
     ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks])
-    ax.set_ylim(len(rows) * per * BAR_IN - BAR_IN, -BAR_IN)
+    ax.set_ylim(len(entries) * per * BAR_IN - BAR_IN, -BAR_IN)
     ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
     ax.set_xlabel("step time / chunked floor (lower is better)")
     ax.grid(axis="x", alpha=0.3)
@@ -483,8 +485,8 @@ def bandwidth_figure(records: list[dict], suite: str):  # noqa: ANN201
     if not ops:
         return None
     cols = 2
-    rows = (len(ops) + 1 + cols - 1) // cols
-    fig, axes = plt().subplots(rows, cols, figsize=(WIDTH_IN, 3.6 * rows + 1.2), squeeze=False)
+    down = (len(ops) + 1 + cols - 1) // cols
+    fig, axes = plt().subplots(down, cols, figsize=(WIDTH_IN, 3.6 * down + 1.2), squeeze=False)
     flat = list(axes.flat)
     for ax, op in zip(flat, ops):
         _bandwidth_panel(ax, recs, op)

@@ -78,18 +78,18 @@ def add_ratios(records: list[dict]) -> None:
             r["ratios"] = {k: v for k, v in rat.items() if v is not None}
 
 
-def _replicate_rows(records: list[dict]) -> list[dict]:
+def _replicate_entries(records: list[dict]) -> list[dict]:
     """Per depth: fastdp's steady-state ``replicate()`` against DataParallel's algorithm."""
     rep = {
         (r["layers"], r["mode"]): r
         for r in records
         if r.get("suite") == "replicate" and med(r) is not None
     }
-    rows = []
+    entries = []
     for layers in sorted({k[0] for k in rep}):
         f, d = rep.get((layers, "fastdp")), rep.get((layers, "dp_algo"))
         if f and d:
-            rows.append(
+            entries.append(
                 {
                     "layers": layers,
                     "replicas": f["replicas"],
@@ -98,7 +98,7 @@ def _replicate_rows(records: list[dict]) -> list[dict]:
                     "ratio": med(f) / med(d),
                 }
             )
-    return rows
+    return entries
 
 
 # The fields each headline row copies from its record (then ``step_ms``, the median)
@@ -116,7 +116,7 @@ def headline(records: list[dict]) -> dict:
     ]
     steps = [r for r in timed if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp"]
     out = {
-        "replicate_cpu": _replicate_rows(records),
+        "replicate_cpu": _replicate_entries(records),
         "overhead": [
             {**{k: r.get(k) for k in OVERHEAD_FIELDS}, "step_ms": med(r)} for r in overhead
         ],
@@ -124,7 +124,7 @@ def headline(records: list[dict]) -> dict:
             {**{k: r.get(k) for k in STEP_FIELDS}, "step_ms": med(r), **r.get("ratios", {})}
             for r in steps
         ],
-        "launch": launch_rows(records),
+        "launch": launch_entries(records),
     }
     out = {k: v for k, v in out.items() if v}
     out["not_ok"] = [
@@ -139,7 +139,7 @@ def headline(records: list[dict]) -> dict:
 LAUNCH_MODES = {"fastdp_threads": "threads", "fastdp_inline": "inline", "fastdp": "auto"}
 
 
-def launch_rows(records: list[dict]) -> list[dict]:
+def launch_entries(records: list[dict]) -> list[dict]:
     """Per step configuration: the floor and each launch strategy (ms, x floor), auto's pick, and
     auto / threads, all from this run's medians."""
     groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
@@ -147,12 +147,12 @@ def launch_rows(records: list[dict]) -> list[dict]:
         if r.get("suite") in STEP_SUITES[1:] or r.get("suite", "").startswith("overhead"):
             key = (r["suite"], r.get("workload"), r.get("input"), r.get("replicas"))
             groups[key][r.get("mode")] = r
-    rows = []
+    entries = []
     for (suite, workload, inp, n), g in groups.items():
         floor = g.get("floor") or g.get("model_chunks")
         if not floor or med(floor) is None or not any(m in g for m in LAUNCH_MODES):
             continue
-        row = {
+        entry = {
             "suite": suite,
             "workload": workload,
             "input": inp,
@@ -160,13 +160,13 @@ def launch_rows(records: list[dict]) -> list[dict]:
             "floor_ms": med(floor),
         }
         for m, name in LAUNCH_MODES.items():
-            row[f"{name}_ms"] = med(g.get(m, {}))
-            row[f"{name}_x_floor"] = _ratio(med(g.get(m, {})), med(floor))
+            entry[f"{name}_ms"] = med(g.get(m, {}))
+            entry[f"{name}_x_floor"] = _ratio(med(g.get(m, {})), med(floor))
         picks = [p["choice"] for p in g.get("fastdp", {}).get("launch_pick") or []]
-        row["auto_pick"] = picks[0] if len(set(picks)) == 1 else (picks or None)
-        row["auto_x_threads"] = _ratio(row["auto_ms"], row["threads_ms"])
-        rows.append(row)
-    return rows
+        entry["auto_pick"] = picks[0] if len(set(picks)) == 1 else (picks or None)
+        entry["auto_x_threads"] = _ratio(entry["auto_ms"], entry["threads_ms"])
+        entries.append(entry)
+    return entries
 
 
 def _fmt(v: object, nd: int = 3) -> str:
@@ -180,8 +180,8 @@ def _fmt(v: object, nd: int = 3) -> str:
     return str(v)
 
 
-def _table(title: str, headers: list[str], rows: list[list]) -> str:
-    cells = [[_fmt(c) for c in row] for row in rows]
+def _table(title: str, headers: list[str], entries: list[list]) -> str:
+    cells = [[_fmt(c) for c in entry] for entry in entries]
     w = [
         max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
     ]
@@ -362,12 +362,12 @@ def format_tables(records: list[dict]) -> str:
     parts = [] if records else ["(nothing was measured: no requested suite can run here)"]
     for suite in order:
         title, cols = SECTIONS.get(_section(suite), SECTIONS["steps"])
-        rows = [
+        entries = [
             [_get(r, field) for _, field in cols]
             for r in records
             if r.get("suite") == suite and r.get("status") != "unsupported"
         ]
-        parts.append(_table(f"{suite}: {title}", [h for h, _ in cols], rows))
+        parts.append(_table(f"{suite}: {title}", [h for h, _ in cols], entries))
     errs = [r for r in records if r.get("error") and r.get("status") != "unsupported"]
     if errs:
         parts.append("== Errors and failed checks")

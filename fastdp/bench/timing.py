@@ -235,13 +235,13 @@ class CallCounter:
     def top(self, n: int = 12) -> list[list]:
         """The ``n`` most called functions outside the model during the last ``counted``, per
         step, as ``[path/to/file.py:line function, calls]`` (last three path components)."""
-        rows = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
+        entries = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
         return [
             [
                 f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}",
                 k / self._steps,
             ]
-            for c, k in rows
+            for c, k in entries
         ]
 
     def area_counts(self) -> dict[str, float]:
