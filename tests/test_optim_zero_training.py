@@ -9,10 +9,13 @@ import torch
 from torch import nn
 from zero_helpers import Twin
 
-LAUNCHES = ["threads", "inline"]
+
+@pytest.fixture(params=["threads", "inline", "auto"])
+def launch(request):
+    """Every test under each launch strategy of the wrapper (the owners follow it)."""
+    return request.param
 
 
-@pytest.mark.parametrize("launch", LAUNCHES)
 def test_clip_grad_norm_before_the_step(storage, launch):
     norms = []
 
@@ -25,7 +28,6 @@ def test_clip_grad_norm_before_the_step(storage, launch):
     assert all(torch.equal(a, b) for a, b in norms) and any(a > 0.05 for a, _ in norms)
 
 
-@pytest.mark.parametrize("launch", LAUNCHES)
 def test_grad_scaler_with_cpu_autocast_fp16(storage, launch):
     """torch.amp.GradScaler('cpu') under fp16 autocast: unscale_, then a clip, then its step
     (skipped on both when a gradient is not finite), then update."""
@@ -49,8 +51,8 @@ def test_grad_scaler_with_cpu_autocast_fp16(storage, launch):
     twin.assert_same()
 
 
-def test_lr_scheduler_drives_every_owner(storage):
-    twin = Twin("mlp", "sgd_momentum")
+def test_lr_scheduler_drives_every_owner(storage, launch):
+    twin = Twin("mlp", "sgd_momentum", launch=launch)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.1) for o in twin.opts]
 
     for _ in range(5):
@@ -61,8 +63,8 @@ def test_lr_scheduler_drives_every_owner(storage):
     twin.assert_same()
 
 
-def test_no_sync_accumulation(storage):
-    twin = Twin("transformer", "adamw_single")
+def test_no_sync_accumulation(storage, launch):
+    twin = Twin("transformer", "adamw_single", launch=launch)
     for _ in range(3):
         for o in twin.opts:
             o.zero_grad()
@@ -76,8 +78,8 @@ def test_no_sync_accumulation(storage):
     twin.assert_same()
 
 
-def test_frozen_parameter_keeps_its_value_and_gets_no_state(storage):
-    twin = Twin("mlp", "adamw_foreach")
+def test_frozen_parameter_keeps_its_value_and_gets_no_state(storage, launch):
+    twin = Twin("mlp", "adamw_foreach", launch=launch)
     frozen = [n[0].weight for n in twin.nets]
     before = frozen[0].detach().clone()
     for p in frozen:
@@ -88,8 +90,8 @@ def test_frozen_parameter_keeps_its_value_and_gets_no_state(storage):
     assert frozen[0] not in twin.zero.state
 
 
-def test_param_group_added_mid_training(storage):
-    twin = Twin("mlp", "adamw_foreach", params=lambda m: m.module[:2].parameters())
+def test_param_group_added_mid_training(storage, launch):
+    twin = Twin("mlp", "adamw_foreach", params=lambda m: m.module[:2].parameters(), launch=launch)
     twin.train(2)
     for net, o in zip(twin.nets, twin.opts):
         o.add_param_group({"params": list(net[2:].parameters()), "lr": 3e-3})
@@ -99,30 +101,30 @@ def test_param_group_added_mid_training(storage):
     assert len(added) > 1  # the new group is sharded too
 
 
-def test_partial_last_batch(storage):
-    twin = Twin("mlp", "sgd_momentum")
+def test_partial_last_batch(storage, launch):
+    twin = Twin("mlp", "sgd_momentum", launch=launch)
     twin.train(2)
     twin.train(1, b=3)  # three rows on four replicas: three replicas run, four owners step
     twin.train(1, b=5)
     twin.assert_same()
 
 
-def test_fresh_replicas(storage):
-    twin = Twin("transformer", "adam", persistent=False)
+def test_fresh_replicas(storage, launch):
+    twin = Twin("transformer", "adam", persistent=False, launch=launch)
     twin.train(4)
     twin.assert_same()
 
 
-def test_compiled_replicas(storage):
-    twin = Twin("mlp", "adamw_foreach")
+def test_compiled_replicas(storage, launch):
+    twin = Twin("mlp", "adamw_foreach", launch=launch)
     for m in twin.models:
         m.compile(backend="eager")
     twin.train(4)
     twin.assert_same()
 
 
-def test_zero_grad_to_zeros_and_a_closure(storage):
-    twin = Twin("mlp", "sgd_momentum")
+def test_zero_grad_to_zeros_and_a_closure(storage, launch):
+    twin = Twin("mlp", "sgd_momentum", launch=launch)
     x = twin.batch()
     for _ in range(3):
         losses = []
@@ -139,8 +141,8 @@ def test_zero_grad_to_zeros_and_a_closure(storage):
     twin.assert_same()
 
 
-def test_model_state_dict_after_step_holds_the_updated_parameters(storage):
-    twin = Twin("cnn_bn", "adam")
+def test_model_state_dict_after_step_holds_the_updated_parameters(storage, launch):
+    twin = Twin("cnn_bn", "adam", launch=launch)
     before = {k: v.clone() for k, v in twin.models[0].state_dict().items()}
     twin.train(1)
     after = twin.models[0].state_dict()
@@ -150,10 +152,10 @@ def test_model_state_dict_after_step_holds_the_updated_parameters(storage):
     twin.assert_same()
 
 
-def test_writes_to_the_model_between_steps_reach_the_owners(storage):
+def test_writes_to_the_model_between_steps_reach_the_owners(storage, launch):
     """``load_state_dict`` on the model and writes through ``.data`` (which no version counter
     sees) after the optimizer was built: owners stepping master copies step the new values."""
-    twin = Twin("mlp", "adamw_foreach")
+    twin = Twin("mlp", "adamw_foreach", launch=launch)
     twin.train(2)
     fresh = Twin("mlp", "adam", seed=7).nets[0].state_dict()
     for m in twin.models:

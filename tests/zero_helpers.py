@@ -43,7 +43,12 @@ class Twin:
             for m in self.nets
         ]
         cls, kw = OPTIMIZERS[opt] if isinstance(opt, str) else opt
-        self.zero = fastdp.ZeroRedundancyOptimizer(params(self.models[0]), cls, **kw)
+        # the owners on worker threads too where the wrapper's replicas are (on CPU replicas
+        # they otherwise step in turn: one device)
+        zero_launch = "threads" if launch == "threads" else None
+        self.zero = fastdp.ZeroRedundancyOptimizer(
+            params(self.models[0]), cls, launch=zero_launch, **kw
+        )
         self.plain = cls(params(self.models[1]), **kw)
         self.opts = [self.zero, self.plain]
         self.gen = torch.Generator().manual_seed(seed + 1)
