@@ -26,6 +26,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def by_mode(records: list[dict], key: Callable[[dict], object]) -> dict:
+    """``key(r)`` -> mode -> record, in the records' order; a record whose key is None is left
+    out."""
+    groups: dict = defaultdict(dict)
+    for r in records:
+        if (k := key(r)) is not None:
+            groups[k][r.get("mode")] = r
+    return groups
+
+
 # ratio -> (its reference modes, the first found; the modes that get no such ratio)
 RATIOS = {
     "vs_floor": (("floor", "model_chunks"), ("floor", "model_chunks")),
@@ -58,11 +68,7 @@ def _config(r: dict) -> tuple | None:
 
 def add_ratios(records: list[dict]) -> None:
     """Adds ``ratios`` (those of ``RATIOS`` and ``FIELD_RATIOS``) to every timed record."""
-    by_cfg: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for r in records:
-        if (key := _config(r)) is not None:
-            by_cfg[key][r.get("mode")] = r
-    for group in by_cfg.values():
+    for group in by_mode(records, _config).values():
         dp = group.get("dp_algo", {})
         for mode, r in group.items():
             if med(r) is None:
@@ -80,24 +86,13 @@ def add_ratios(records: list[dict]) -> None:
 
 def _replicate_rows(records: list[dict]) -> list[dict]:
     """Per depth: fastdp's steady-state ``replicate()`` against DataParallel's algorithm."""
-    rep = {
-        (r["layers"], r["mode"]): r
-        for r in records
-        if r.get("suite") == "replicate" and med(r) is not None
-    }
+    timed = [r for r in records if r.get("suite") == "replicate" and med(r) is not None]
     rows = []
-    for layers in sorted({k[0] for k in rep}):
-        f, d = rep.get((layers, "fastdp")), rep.get((layers, "dp_algo"))
+    for layers, g in sorted(by_mode(timed, lambda r: r["layers"]).items()):
+        f, d = g.get("fastdp"), g.get("dp_algo")
         if f and d:
-            rows.append(
-                {
-                    "layers": layers,
-                    "replicas": f["replicas"],
-                    "fastdp_ms": med(f),
-                    "dp_algo_ms": med(d),
-                    "ratio": med(f) / med(d),
-                }
-            )
+            row = dict(layers=layers, replicas=f["replicas"], fastdp_ms=med(f), dp_algo_ms=med(d))
+            rows.append({**row, "ratio": med(f) / med(d)})
     return rows
 
 
@@ -142,23 +137,18 @@ LAUNCH_MODES = {"fastdp_threads": "threads", "fastdp_inline": "inline", "fastdp"
 def launch_rows(records: list[dict]) -> list[dict]:
     """Per step configuration: the floor and each launch strategy (ms, x floor), auto's pick, and
     auto / threads, all from this run's medians."""
-    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for r in records:
+
+    def key(r: dict) -> tuple | None:
         if r.get("suite") in STEP_SUITES[1:] or r.get("suite", "").startswith("overhead"):
-            key = (r["suite"], r.get("workload"), r.get("input"), r.get("replicas"))
-            groups[key][r.get("mode")] = r
+            return (r["suite"], r.get("workload"), r.get("input"), r.get("replicas"))
+        return None
+
     rows = []
-    for (suite, workload, inp, n), g in groups.items():
+    for (suite, workload, inp, n), g in by_mode(records, key).items():
         floor = g.get("floor") or g.get("model_chunks")
         if not floor or med(floor) is None or not any(m in g for m in LAUNCH_MODES):
             continue
-        row = {
-            "suite": suite,
-            "workload": workload,
-            "input": inp,
-            "replicas": n,
-            "floor_ms": med(floor),
-        }
+        row = dict(suite=suite, workload=workload, input=inp, replicas=n, floor_ms=med(floor))
         for m, name in LAUNCH_MODES.items():
             row[f"{name}_ms"] = med(g.get(m, {}))
             row[f"{name}_x_floor"] = _ratio(med(g.get(m, {})), med(floor))
@@ -175,8 +165,7 @@ def _fmt(v: object, nd: int = 3) -> str:
     if isinstance(v, float):
         if math.isinf(v) or math.isnan(v):
             return str(v)
-        a = abs(v)
-        return f"{v:.{nd}g}" if a < 1000 else f"{v:,.0f}"
+        return f"{v:.{nd}g}" if abs(v) < 1000 else f"{v:,.0f}"
     return str(v)
 
 
@@ -193,21 +182,17 @@ def _table(title: str, headers: list[str], rows: list[list]) -> str:
     return "\n".join([f"== {title}", line, "-" * len(line), *body, ""])
 
 
+_NUMBER_MARKS = str.maketrans("", "", ".,-e+")
+
+
 def _num(c: str) -> bool:
-    return (
-        c.replace(".", "")
-        .replace(",", "")
-        .replace("-", "")
-        .replace("e", "")
-        .replace("+", "")
-        .isdigit()
-        or c == "-"
-    )
+    """A cell right-aligned in the table: a number as ``_fmt`` writes it, or "-"."""
+    return c.translate(_NUMBER_MARKS).isdigit() or c == "-"
 
 
 def _status(r: dict) -> str:
     s = r.get("status", "ok")
-    return {"check_failed": "CHECK FAILED", "ok": "ok"}.get(s, s)
+    return "CHECK FAILED" if s == "check_failed" else s
 
 
 def _section(suite: str) -> str:
@@ -221,14 +206,16 @@ def _section(suite: str) -> str:
     return suite
 
 
+# The references as the table names them: they say what they are.
+REFERENCES = {
+    "bare": "bare (whole batch)",
+    "floor": "floor (chunks in turn)",
+    "model_chunks": "floor (chunks in turn)",
+}
+
+
 def _mode(r: dict) -> str:
-    """The mode as the table names it: the references say what they are."""
-    mode = r.get("mode")
-    if mode == "bare":
-        return "bare (whole batch)"
-    if mode in ("floor", "model_chunks"):
-        return "floor (chunks in turn)"
-    return str(mode)
+    return REFERENCES.get(r.get("mode"), str(r.get("mode")))
 
 
 def _launch(r: dict) -> str:
@@ -348,19 +335,18 @@ def format_tables(records: list[dict]) -> str:
             if r.get("suite") == suite and r.get("status") != "unsupported"
         ]
         parts.append(_table(f"{suite}: {title}", [h for h, _ in cols], rows))
+
+    def where(r: dict) -> str:
+        return f"{r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} {_devs(r)}"
+
     errs = [r for r in records if r.get("error") and r.get("status") != "unsupported"]
     if errs:
         parts.append("== Errors and failed checks")
-        parts += [
-            f"  {r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} "
-            f"{_devs(r)}: {r.get('error')}"
-            for r in errs
-        ]
-    fails = [r for r in records if r.get("status") == "check_failed"]
+        parts += [f"  {where(r)}: {r.get('error')}" for r in errs]
     parts += [
-        f"  CHECK FAILED {r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} "
-        f"{_devs(r)}: {(r.get('check') or {}).get('why', r.get('check'))}"
-        for r in fails
+        f"  CHECK FAILED {where(r)}: {(r.get('check') or {}).get('why', r.get('check'))}"
+        for r in records
+        if r.get("status") == "check_failed"
     ]
     unsup = {r.get("error") for r in records if r.get("status") == "unsupported"}
     parts += [f"note: {u}" for u in unsup]
