@@ -38,7 +38,7 @@ def dp_algorithm_class() -> type:
     import fastdp
 
     class DPAlgorithm(fastdp.FastDataParallel):
-        def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 (torch's seam)
+        def replicate(self, module, device_ids):
             return fresh_replicate(module, device_ids, not torch.is_grad_enabled())
 
     DPAlgorithm.__qualname__ = DPAlgorithm.__name__ = "DPAlgorithm"
@@ -126,7 +126,7 @@ def chunk_inputs(args: tuple, n: int, dim: int = 0) -> list[tuple]:
     return [map_tensors(args, lambda t, i=i: t.chunk(n, dim)[i]) for i in range(k)]
 
 
-def concat_outputs(outs: list, dim: int = 0):  # noqa: ANN201
+def concat_outputs(outs: list, dim: int = 0):
     """Concatenates per-chunk outputs the way DataParallel gathers them (same nesting)."""
     first = outs[0]
     if isinstance(first, torch.Tensor):
@@ -146,7 +146,7 @@ def chunked_reference(model: nn.Module, args: tuple, n: int, device: torch.devic
     return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
 
 
-def chunked_call(model: nn.Module, n: int, *args):  # noqa: ANN201
+def chunked_call(model: nn.Module, n: int, *args):
     """The ``floor`` mode: ``model`` on DataParallel's ``n`` chunks of ``args`` in turn."""
     return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
 

@@ -59,7 +59,7 @@ BAR_IN = 0.24  # height of one horizontal bar
 LABEL_BOX = {"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8}
 
 
-def plt():  # noqa: ANN201
+def plt():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,7 +76,7 @@ def available() -> bool:
     return True
 
 
-def legend_below(fig, axes) -> None:  # noqa: ANN001
+def legend_below(fig, axes) -> None:
     """One legend for the figure, below the axes, each label once."""
     seen: dict = {}
     for ax in axes:
@@ -87,7 +87,7 @@ def legend_below(fig, axes) -> None:  # noqa: ANN001
     )
 
 
-def finish(fig, legend_in: float) -> None:  # noqa: ANN001
+def finish(fig, legend_in: float) -> None:
     """Lay the axes out between the legend (``legend_in`` inches at the bottom) and the title."""
     h = fig.get_figheight()
     fig.tight_layout(rect=(0, legend_in / h, 1, 1 - 0.45 / h))
@@ -133,7 +133,7 @@ def _devkey(r: dict) -> str:
     return f"{len(d)} replica{'s' if len(d) > 1 else ''} on {d[0]}"
 
 
-def _row_bars(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:  # noqa: ANN001
+def _row_bars(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:
     """Horizontal bars from ``y0`` down, one per (label, value, colour, text); value printed (no
     value: the text alone at the left edge)."""
     left = ax.get_yaxis_transform()
@@ -146,7 +146,7 @@ def _row_bars(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -
         ax.text(v, y, f" {text}", va="center", fontsize=10, bbox=LABEL_BOX)
 
 
-def _bar_axes(ax, ticks: list, slots: int, xlabel: str, line_label: str, pad: float) -> None:  # noqa: ANN001
+def _bar_axes(ax, ticks: list, slots: int, xlabel: str, line_label: str, pad: float) -> None:
     """A bar figure's axes: the tick labels (y, text), ``slots`` bar heights in all, the dashed
     line at 1, the x range widened by ``pad`` for the printed values."""
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1.2, label=line_label)
@@ -174,7 +174,7 @@ def _gain(g: dict[str, dict]) -> str:
     return f"\n{how} than DP's algorithm"
 
 
-def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> None:  # noqa: ANN001
+def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> None:
     """One replica count: a group of bars per configuration, in units of its floor (or bare)."""
     labels, unit_name = [], "floor"
     for i, key in enumerate(keys):
@@ -204,7 +204,7 @@ def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> 
     ax.set_title(_devkey(first), loc="left")
 
 
-def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
+def steps_figure(records: list[dict], suite: str):
     """Headline of a step suite: each mode's step time in units of the chunked floor."""
     recs = [r for r in records if r.get("suite") == suite and med(r) is not None]
     panels = list(dict.fromkeys(r.get("replicas") for r in recs if r["mode"] in HEADLINE_MODES))
@@ -230,7 +230,7 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
     return fig
 
 
-def launch_figure(records: list[dict]):  # noqa: ANN201
+def launch_figure(records: list[dict]):
     """Each launch strategy's step time in units of the chunked floor; auto's pick printed."""
     rows = [r for r in launch_rows(records) if r.get("floor_ms") and (r.get("replicas") or 0) > 1]
     if not rows:
@@ -266,7 +266,7 @@ def _line(mode: str) -> dict:
     return {"marker": MARKERS.get(mode, "o"), "color": COLORS.get(mode)}
 
 
-def _note(ax, text: str, xy: tuple, offset: tuple, **kw: object) -> None:  # noqa: ANN001
+def _note(ax, text: str, xy: tuple, offset: tuple, **kw: object) -> None:
     """``text`` printed at ``offset`` points from the data point ``xy``."""
     ax.annotate(text, xy, textcoords="offset points", xytext=offset, fontsize=10, **kw)
 
@@ -276,7 +276,7 @@ BELOW = {"color": "black", "markersize": 12, "markerfacecolor": "none"}
 BELOW_LABEL = "at or below the floor (<= 0), drawn at the bottom"
 
 
-def _plain_log(axis) -> None:  # noqa: ANN001
+def _plain_log(axis) -> None:
     """Log scale with tick labels written as plain numbers (0.3, 2, 40), not 3x10^-1."""
     from matplotlib.ticker import FuncFormatter, LogLocator
 
@@ -284,7 +284,7 @@ def _plain_log(axis) -> None:  # noqa: ANN001
     axis.set_minor_locator(LogLocator(subs=()))
 
 
-def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) -> bool:  # noqa: ANN001
+def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) -> bool:
     """One quantity per workload, a line per (mode, replicas), log scale; values <= 0 drawn at
     the bottom edge and said so. Returns whether any was."""
     xpos = {w: i for i, (_, w) in enumerate(works)}
@@ -316,7 +316,7 @@ def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) ->
     return below
 
 
-def overhead_figure(records: list[dict], suite: str):  # noqa: ANN201
+def overhead_figure(records: list[dict], suite: str):
     """The wrapper's own cost per step (step minus the bare module on the same chunks) and its
     Python calls, per workload in order of parameter tensors; flat means O(1) per step."""
     recs = [
@@ -341,7 +341,7 @@ def overhead_figure(records: list[dict], suite: str):  # noqa: ANN201
     return fig
 
 
-def replicate_figure(records: list[dict]):  # noqa: ANN201
+def replicate_figure(records: list[dict]):
     """replicate() time against depth, log-log, each depth's fastdp / DataParallel ratio printed."""
     recs = [r for r in records if r.get("suite") == "replicate" and med(r) is not None]
     if not recs:
@@ -375,7 +375,7 @@ def replicate_figure(records: list[dict]):  # noqa: ANN201
     return fig
 
 
-def _bytes_axis(ax) -> None:  # noqa: ANN001
+def _bytes_axis(ax) -> None:
     from matplotlib.ticker import FixedLocator, FuncFormatter
 
     def fmt(v: float, _: object) -> str:
@@ -397,7 +397,7 @@ def _by_size(recs: list[dict], op: str, mode: str, key: str) -> list[tuple]:
     )
 
 
-def _bandwidth_panel(ax, recs: list[dict], op: str) -> None:  # noqa: ANN001
+def _bandwidth_panel(ax, recs: list[dict], op: str) -> None:
     """One collective's GB/s by size: torch, fastdp and the plain copy of the same bytes."""
     for mode in ("torch", "fastdp"):
         if pts := _by_size(recs, op, mode, "gbps"):
@@ -411,7 +411,7 @@ def _bandwidth_panel(ax, recs: list[dict], op: str) -> None:  # noqa: ANN001
     ax.grid(which="major", alpha=0.3)
 
 
-def _fraction_panel(ax, recs: list[dict], ops: list[str]) -> None:  # noqa: ANN001
+def _fraction_panel(ax, recs: list[dict], ops: list[str]) -> None:
     """fastdp's GB/s of every collective as a fraction of the plain copy's."""
     styles = list(zip(("orange", "sky", "green", "vermillion", "yellow", "grey"), "s^vDXh"))
     for i, op in enumerate(ops):
@@ -426,7 +426,7 @@ def _fraction_panel(ax, recs: list[dict], ops: list[str]) -> None:  # noqa: ANN0
     ax.grid(which="major", alpha=0.3)
 
 
-def bandwidth_figure(records: list[dict], suite: str):  # noqa: ANN201
+def bandwidth_figure(records: list[dict], suite: str):
     """Effective GB/s of each collective by size, torch vs fastdp, with the plain-copy limit;
     the last panel shows fastdp's bandwidth as a fraction of the limit."""
     recs = [r for r in records if r.get("suite") == suite and r.get("gbps")]

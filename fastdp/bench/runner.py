@@ -1,10 +1,8 @@
 """Tasks, run settings, and the one place where a configuration is checked, timed and recorded.
 
 A suite plans a list of ``Task``s (so the progress bar knows the total); each task returns records
-(plain dicts that go to the JSON as they are). Failures never stop the run: an out-of-memory error
-is recorded as ``status: "oom"``, any other exception as ``status: "error"`` with its message, and a
-failed correctness check as ``status: "check_failed"`` (the configuration is still timed, and the
-table flags it).
+(plain dicts that go to the JSON as they are). Failures never stop the run: they are recorded as
+the record's ``status`` (``oom``, ``error``, ``check_failed``) and the next configuration runs.
 """
 
 from __future__ import annotations
@@ -37,18 +35,6 @@ class Settings:
     rtol_cuda: float = 2e-3  # cuDNN picks per-shape algorithms (TF32 convolutions by default)
     check: bool = True
 
-    def measure_many(
-        self, fns: dict[str, Callable[[], object]], sync: Callable[[], None] | None = None
-    ) -> dict[str, timing.Stats]:
-        return timing.measure_many(
-            fns,
-            warmup=self.warmup,
-            repeats=self.repeats,
-            min_repeat_s=self.min_repeat_s,
-            max_total_s=self.max_total_s,
-            sync=sync,
-        )
-
 
 @dataclass
 class Task:
@@ -56,14 +42,6 @@ class Task:
     label: str
     fn: Callable[[], list[dict]]
     records: list[dict] = field(default_factory=list)
-
-
-def _oom_types() -> tuple[type, ...]:
-    found = (
-        getattr(torch, "OutOfMemoryError", None),
-        getattr(torch.cuda, "OutOfMemoryError", None),
-    )
-    return tuple(t for t in found if t is not None)
 
 
 def short_error(e: BaseException) -> str:
@@ -76,17 +54,13 @@ def guarded(record: dict, body: Callable[[dict], None]) -> dict:
     record.setdefault("status", "ok")
     try:
         body(record)
-    except _oom_types() as e:
-        record.update(status="oom", error=short_error(e))
-        _release()
     except Exception as e:  # recorded and shown in the table, never hidden
-        if "out of memory" in str(e).lower():
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
             record.update(status="oom", error=short_error(e))
             _release()
         else:
-            record.update(
-                status="error", error=short_error(e), traceback=traceback.format_exc(limit=-4)
-            )
+            record.update(status="error", error=short_error(e))
+            record["traceback"] = traceback.format_exc(limit=-4)
     return record
 
 
@@ -111,7 +85,8 @@ def time_into(s: Settings, fns: dict, recs: dict, sync: Callable[[], None] | Non
     before = _pool_allocations()
 
     def body(_: dict) -> None:
-        for key, st in s.measure_many(fns, sync).items():
+        kw = dict(warmup=s.warmup, repeats=s.repeats, min_repeat_s=s.min_repeat_s)
+        for key, st in timing.measure_many(fns, max_total_s=s.max_total_s, sync=sync, **kw).items():
             recs[key]["time_ms"] = st.as_dict()
             recs[key]["pinned_pool_allocations"] = {"before": before}
         after = _pool_allocations()
@@ -148,21 +123,9 @@ def time_modes(
     fails its set-up or first step is recorded and left out of the timing; the others are still
     timed. ``auto`` wrappers are timed once their trial steps are over (``modes.settle``).
     """
-    base = {
-        "suite": suite,
-        "workload": w.name,
-        "input": input_kind or w.input_kind,
-        "replicas": n,
-        "step": step,
-        "batch": w.batch,
-        "layers": w.layers,
-        **(extra or {}),
-    }
-    names = (
-        None
-        if devices is None
-        else [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
-    )
+    base = dict(suite=suite, workload=w.name, input=input_kind or w.input_kind, replicas=n)
+    base.update(step=step, batch=w.batch, layers=w.layers, **(extra or {}))
+    names = devices and [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
     recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names} for m in mode_list}
     make = modes.train_step if step == "train" else modes.forward_step
     steps: dict[str, Callable[[], None]] = {}
@@ -194,7 +157,7 @@ def time_modes(
 
 def check_mode(
     r: dict, s: Settings, m: str, model: nn.Module, call: Callable, args: tuple, n: int, ref_device
-) -> None:  # noqa: ANN001
+) -> None:
     """``r["check"]``: mode ``m``'s outputs and gradients against the module on the chunks."""
     rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
     # nn.DataParallel without CUDA runs the module on the whole batch
@@ -241,18 +204,13 @@ def run_tasks(
         if bar is not None:
             bar.set_description(f"{t.suite}: {t.label}"[:60])
         t0 = time.perf_counter()
-        try:
+
+        def body(_: dict, t: Task = t) -> None:
             t.records = t.fn()
-        except Exception as e:  # a planning bug in one task must not lose the others
-            t.records = [
-                {
-                    "suite": t.suite,
-                    "label": t.label,
-                    "status": "error",
-                    "error": short_error(e),
-                    "traceback": traceback.format_exc(limit=-4),
-                }
-            ]
+
+        failed = guarded({"suite": t.suite, "label": t.label}, body)
+        if failed["status"] != "ok":  # a planning bug in one task must not lose the others
+            t.records = [failed]
         for r in t.records:
             r["task"], r["task_s"] = t.label, round(time.perf_counter() - t0, 3)
         out.extend(t.records)

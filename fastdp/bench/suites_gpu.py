@@ -63,7 +63,7 @@ def comm_sizes(profile: str) -> list[int]:
     return [64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 
 
-def _exact(got, want) -> bool:  # noqa: ANN001
+def _exact(got, want) -> bool:
     got, want = wl.tensors_of(got), wl.tensors_of(want)
     return len(got) == len(want) and all(
         a.device == b.device and torch.equal(a, b) for a, b in zip(got, want)
@@ -261,7 +261,7 @@ class _MoveThen(nn.Module):
         super().__init__()
         self.module, self.device = module, device
 
-    def forward(self, *args):  # noqa: ANN002, ANN201
+    def forward(self, *args):
         return self.module(*wl.map_tensors(args, lambda t: t.to(self.device, non_blocking=True)))
 
 

@@ -179,7 +179,7 @@ def make_inputs(w: Workload, device: torch.device | str, batch: int | None = Non
     return args
 
 
-def map_tensors(obj, fn):  # noqa: ANN001, ANN201 (any nesting of tuple/list/dict)
+def map_tensors(obj, fn):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple):
@@ -191,7 +191,7 @@ def map_tensors(obj, fn):  # noqa: ANN001, ANN201 (any nesting of tuple/list/dic
     return obj
 
 
-def tensors_of(obj) -> list[torch.Tensor]:  # noqa: ANN001
+def tensors_of(obj) -> list[torch.Tensor]:
     """The tensors of a nested output, in a deterministic order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -202,6 +202,6 @@ def tensors_of(obj) -> list[torch.Tensor]:  # noqa: ANN001
     return []
 
 
-def loss_of(out) -> torch.Tensor:  # noqa: ANN001
+def loss_of(out) -> torch.Tensor:
     """Mean of squares over every output tensor: gradients reach every parameter."""
     return sum(t.float().square().mean() for t in tensors_of(out))
