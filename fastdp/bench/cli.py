@@ -41,9 +41,13 @@ _PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
 }
 
 
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def why_not(suite: str) -> str | None:
     """Why ``suite`` cannot run on this machine, or None."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _gpus()
     if suites_gpu.DRY_RUN and suite in GPU_SUITES + MULTI_SUITES and suite != "overhead-cuda":
         return None
     if suite == "passthrough" and gpus:
@@ -56,11 +60,10 @@ def why_not(suite: str) -> str | None:
 
 
 def auto_suites() -> list[str]:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 0:
+    if _gpus() == 0:
         return list(CPU_SUITES)
     chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build"]
-    return chosen + (list(MULTI_SUITES) if gpus >= 2 else [])
+    return chosen + (list(MULTI_SUITES) if _gpus() >= 2 else [])
 
 
 def settings(profile: str, repeats: int | None, replicas: tuple[int, ...]) -> Settings:
@@ -94,6 +97,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--suite",
         nargs="+",
         default=["auto"],
+        choices=("auto", "all", *ALL_SUITES),
         metavar="SUITE",
         help=f"auto (by hardware), all, or any of: {', '.join(ALL_SUITES)}",
     )
@@ -120,11 +124,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    for s in args.suite:
-        if s not in ALL_SUITES + ("auto", "all"):
-            p.error(f"unknown suite {s!r}; choose from auto, all, {', '.join(ALL_SUITES)}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -180,14 +180,8 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
             f"the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): "
             "timings will be noisy; the JSON records the load."
         )
-    meta.update(
-        suites=suites,
-        skipped_suites=skipped,
-        profiles=profiles,
-        gpu_dry_run=args.gpu_dry_run,
-        threads=args.threads,
-        tasks=len(tasks),
-    )
+    meta.update(suites=suites, skipped_suites=skipped, profiles=profiles)
+    meta.update(gpu_dry_run=args.gpu_dry_run, threads=args.threads, tasks=len(tasks))
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "records.partial.jsonl")
     with open(partial, "w") as f:  # one line per record as tasks finish; removed once complete
@@ -216,15 +210,6 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
     json_path = os.path.join(args.out, "results.json")
     report.write_json(json_path, meta, records)
     os.remove(partial)
-    print(
-        f"\nwrote {json_path}, {os.path.join(args.out, 'table.txt')}"
-        + "".join(f", {p}" for p in pngs)
-    )
+    print(f"\nwrote {', '.join([json_path, os.path.join(args.out, 'table.txt'), *pngs])}")
     print(f"wall time {meta['wall_s']:.1f} s")
-    return {
-        "schema": report.SCHEMA,
-        "meta": meta,
-        "records": records,
-        "plots": pngs,
-        "json": json_path,
-    }
+    return dict(schema=report.SCHEMA, meta=meta, records=records, plots=pngs, json=json_path)

@@ -142,8 +142,7 @@ def chunked_reference(model: nn.Module, args: tuple, n: int, device: torch.devic
     """The bare module on each of DataParallel's chunks in turn, outputs concatenated: the same
     outputs and gradients DataParallel semantics promise, BatchNorm's per-replica batch
     statistics included (for models without batch statistics it equals the whole batch)."""
-    args = map_tensors(args, lambda t: t.to(device))
-    return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
+    return chunked_call(model, n, *map_tensors(args, lambda t: t.to(device)))
 
 
 def chunked_call(model: nn.Module, n: int, *args):

@@ -44,6 +44,20 @@ class Task:
     records: list[dict] = field(default_factory=list)
 
 
+def last_only(make: Callable) -> Callable:
+    """``make`` with its last result kept: the same arguments again return it; other arguments
+    drop it before ``make`` runs (one model alive at a time)."""
+    last: dict = {}
+
+    def get(*key: object) -> object:
+        if key not in last:
+            last.clear()
+            last[key] = make(*key)
+        return last[key]
+
+    return get
+
+
 def short_error(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first}"[:300]

@@ -7,6 +7,7 @@ replicas ]).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -45,16 +46,11 @@ WORKLOADS = {
 }
 
 
-def _counts() -> int:
+def _frames(graphs: bool = False) -> int:
+    """Frames dynamo compiled so far (``graphs``: plus the graphs it made)."""
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
-
-
-def _frames() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["frames"]["total"]
+    return counters["frames"]["total"] + (counters["stats"]["unique_graphs"] if graphs else 0)
 
 
 def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
@@ -64,9 +60,7 @@ def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
     ns = [n for n in s.replicas if n > 1] or [2]
     return [
         Task(
-            "compile",
-            f"{name} {kind} x{n}",
-            lambda name=name, wb=wb, kind=kind, n=n: _run(s, name, wb, kind, n, options),
+            "compile", f"{name} {kind} x{n}", functools.partial(_run, s, name, wb, kind, n, options)
         )
         for name, wb in table.items()
         for kind in kinds
@@ -74,9 +68,7 @@ def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
     ]
 
 
-def _run(
-    s: Settings, name: str, wb: tuple[int, int], kind: str, n: int, options: dict
-) -> list[dict]:
+def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int, options: dict) -> list:
     import torch._dynamo
 
     import fastdp
@@ -91,17 +83,9 @@ def _run(
     args = (torch.randn(batch, width, device=dev),)
     chunks = modes.chunk_inputs(args, n)
     cm = torch.compile(model, **options)
-    base = {
-        "suite": "compile",
-        "workload": name,
-        "input": "tensor",
-        "replicas": n,
-        "devices": [str(torch.device(dev))] * n,
-        "batch": batch,
-        "width": width,
-        "step": "train",
-        "compile_options": {k: str(v) for k, v in options.items()},
-    }
+    base = dict(suite="compile", workload=name, input="tensor", replicas=n)
+    base.update(devices=[str(torch.device(dev))] * n, batch=batch, width=width, step="train")
+    base.update(compile_options={k: str(v) for k, v in options.items()})
     wrapper = fastdp.FastDataParallel(model, device_ids=ids)
     wrapper.compile(**options)
     calls: dict[str, tuple[Callable, nn.Module | None]] = {
@@ -130,16 +114,7 @@ def _run(
     return out
 
 
-def _settle(
-    r: dict,
-    s: Settings,
-    m: str,
-    call: Callable,
-    ref: nn.Module | None,
-    args: tuple,
-    n: int,
-    dev: str,
-) -> Callable[[], None]:
+def _settle(r: dict, s: Settings, m: str, call: Callable, ref, args: tuple, n: int, dev: str):
     """The first step (timed, frames counted for a compiled mode), the check of a wrapper against
     its module on the chunks, then recompiles over 20 steady steps; returns the step."""
     step = modes.train_step(call, () if ref is None else args)
@@ -152,20 +127,16 @@ def _settle(
         check_mode(r, s, m, ref, call, args, n, dev)
     for _ in range(3):
         step()
-    before = _counts()
+    before = _frames(graphs=True)
     for _ in range(20):
         step()
-    r["recompiles_20_steps"] = _counts() - before
+    r["recompiles_20_steps"] = _frames(graphs=True) - before
     return step
 
 
 def _on_chunks(module: Callable, chunks: list[tuple]) -> Callable:
     """The module on the chunks in turn, outputs concatenated (the floor of a wrapper)."""
-
-    def call() -> torch.Tensor:
-        return modes.concat_outputs([module(*c) for c in chunks])
-
-    return call
+    return lambda: modes.concat_outputs([module(*c) for c in chunks])
 
 
 def _ratios(recs: dict[str, dict]) -> None:

@@ -19,6 +19,7 @@ from fastdp.bench.runner import (
     Task,
     check_mode,
     guarded,
+    last_only,
     record_launch,
     time_into,
     time_modes,
@@ -96,13 +97,13 @@ def passthrough(s: Settings) -> list[Task]:
 def cpu_replicas(s: Settings) -> list[Task]:
     """Per workload and replica count: bare, fastdp, fastdp_noext, dp_algo timed interleaved."""
     cat = wl.catalogue(s.profile)
-    cache: dict[str, tuple] = {}
+
+    @last_only
+    def model_and_args(w: wl.Workload) -> tuple:
+        return wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
 
     def run(w: wl.Workload, n: int) -> list[dict]:
-        if w.name not in cache:
-            cache.clear()  # one workload alive at a time
-            cache[w.name] = (wl.build(w, "cpu"), wl.make_inputs(w, "cpu"))
-        model, args = cache[w.name]
+        model, args = model_and_args(w)
         recs = time_modes(
             s,
             suite="cpu-replicas",

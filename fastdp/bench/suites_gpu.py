@@ -18,7 +18,7 @@ from torch.nn.parallel import comm as tcomm
 
 import fastdp.bench.workloads as wl
 from fastdp.bench import modes, timing
-from fastdp.bench.runner import Settings, Task, guarded, time_into, time_modes
+from fastdp.bench.runner import Settings, Task, guarded, last_only, time_into, time_modes
 from fastdp.bench.suites_cpu import consume_graph
 
 MiB = 1 << 20
@@ -55,12 +55,11 @@ def device_sets(multi: bool, replicas: tuple[int, ...]) -> list[list[int]]:
     return [list(range(k)) for k in ks]
 
 
-def comm_sizes(profile: str) -> list[int]:
-    if profile == "tiny":
-        return [MiB]
-    if profile == "quick":
-        return [MiB, 64 * MiB]
-    return [64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+COMM_SIZES = {
+    "tiny": [MiB],
+    "quick": [MiB, 64 * MiB],
+    "gpu": [64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB],
+}
 
 
 def _exact(got, want) -> bool:
@@ -132,20 +131,11 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
             kind, impls, ref = ops[op]
             for impl, fn in impls.items():
                 key = (op, impl, threads)
-                recs[key] = guarded(
-                    {
-                        "suite": suite,
-                        "op": op,
-                        "kind": kind,
-                        "mode": impl,
-                        "bytes": x.numel() * 4,
-                        "devices": [str(d) for d in devs],
-                        "replicas": n,
-                        "tensors": tensors if kind == "broadcast" else 1,
-                        "threads": threads or torch.get_num_threads(),
-                    },
-                    lambda r, fn=fn, ref=ref: _check_exact(r, fn, ref),
-                )
+                r = dict(suite=suite, op=op, kind=kind, mode=impl, bytes=x.numel() * 4)
+                r.update(devices=[str(d) for d in devs], replicas=n)
+                r.update(tensors=tensors if kind == "broadcast" else 1)
+                r.update(threads=threads or torch.get_num_threads())
+                recs[key] = guarded(r, lambda r, fn=fn, ref=ref: _check_exact(r, fn, ref))
                 if recs[key]["status"] in ("ok", "check_failed"):
                     fns[key] = fn
         time_into(s, {k: f for k, f in fns.items() if k[2] is None}, recs, sync)
@@ -156,7 +146,8 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
         _bandwidths(out)
         return out
 
-    return [Task(suite, f"{z >> 10} KiB", lambda z=z: run(z)) for z in comm_sizes(s.profile)]
+    sizes = COMM_SIZES.get(s.profile, COMM_SIZES["gpu"])
+    return [Task(suite, f"{z >> 10} KiB", lambda z=z: run(z)) for z in sizes]
 
 
 def _check_exact(r: dict, fn: Callable[[], object], ref: object) -> None:
@@ -209,7 +200,6 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
         from fastdp import comm as fcomm
 
         fresh = modes.fresh_replicate
-
         model = wl.build(w, dev(0))
         fdp = fastdp.FastDataParallel(model, device_ids=ids(devices))
         params = list(model.parameters())
@@ -221,15 +211,9 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
             "torch_broadcast_coalesced": lambda: tcomm.broadcast_coalesced(params, d),
             "fastdp_comm_broadcast_coalesced": lambda: fcomm.broadcast_coalesced(params, d),
         }
-        base = {
-            "suite": suite,
-            "workload": w.name,
-            "layers": w.layers,
-            "replicas": len(devices),
-            "devices": [str(dev(i)) for i in devices],
-            "params": len(params),
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-        }
+        base = dict(suite=suite, workload=w.name, layers=w.layers, replicas=len(devices))
+        base.update(devices=[str(dev(i)) for i in devices], params=len(params))
+        base.update(param_bytes=sum(p.numel() * p.element_size() for p in params))
         replicating = ("torch", "dp_algo", "fastdp")  # their graph is consumed after each call
 
         def first(r: dict, m: str) -> None:
@@ -280,17 +264,11 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
     sets = device_sets(multi, s.replicas)
     if s.profile == "gpu":  # step rows: every one of at least 10 repeats, whatever they take
         s = dataclasses.replace(s, repeats=max(s.repeats, 10), max_total_s=None)
-    cache: dict[tuple, tuple] = {}
 
+    @last_only
     def model_and_args(w: wl.Workload, where: str) -> tuple:
-        if (w.name, where) not in cache:
-            cache.clear()  # one model alive at a time
-            args = wl.make_inputs(w, dev(0) if where == "cuda" else "cpu")
-            cache[(w.name, where)] = (
-                wl.build(w, dev(0)),
-                wl.map_tensors(args, _pin) if where == "cpu-pinned" else args,
-            )
-        return cache[(w.name, where)]
+        args = wl.make_inputs(w, dev(0) if where == "cuda" else "cpu")
+        return wl.build(w, dev(0)), wl.map_tensors(args, _pin) if where == "cpu-pinned" else args
 
     def run(w: wl.Workload, where: str, devices: list[int]) -> list[dict]:
         model, args = model_and_args(w, where)

@@ -169,14 +169,10 @@ def build(w: Workload, device: torch.device | str, seed: int = 0) -> nn.Module:
 
 
 def make_inputs(w: Workload, device: torch.device | str, batch: int | None = None) -> tuple:
-    """Deterministic inputs (seed 1, the caller's random state kept)."""
-    g = torch.random.get_rng_state()
-    torch.manual_seed(1)
-    try:
-        args = w.inputs(batch or w.batch, device)
-    finally:
-        torch.random.set_rng_state(g)
-    return args
+    """Deterministic inputs (seed 1, the caller's CPU random state kept)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return w.inputs(batch or w.batch, device)
 
 
 def map_tensors(obj, fn):
