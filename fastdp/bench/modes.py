@@ -70,10 +70,7 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
         obj = dp_algorithm_class()(model, **kw)
     else:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    try:
-        yield obj
-    finally:
-        del obj
+    yield obj  # dropped with this generator's frame when the block exits
 
 
 def mode_context(mode: str) -> contextlib.AbstractContextManager:

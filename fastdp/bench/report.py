@@ -1,10 +1,5 @@
-"""Ratios within the run, the headline figures, the stdout table, and the JSON file.
-
-Every ratio is computed from medians measured in the same run; nothing is hard-coded. A ratio
-below 1 means faster (``x floor`` = time / the chunked floor's time: the bare module on the same
-chunks in turn, the yardstick of every step table; ``x bare`` = time / bare module's time on the
-whole batch, ``x dp_algo`` = time / DataParallel's algorithm's time on the same devices).
-"""
+"""Ratios within the run, the headline figures, the stdout table, and the JSON file. Every ratio
+is of medians measured in the same run (bench/README.md, *Reading the table and the plots*)."""
 
 from __future__ import annotations
 
@@ -195,15 +190,14 @@ def _status(r: dict) -> str:
     return "CHECK FAILED" if s == "check_failed" else s
 
 
-def _section(suite: str) -> str:
-    if suite in STEP_SUITES[1:]:
-        return "steps"
-    if suite == "replicate":
-        return "replicate"
-    for k, name in (("overhead", "overhead"), ("replicate", "replicate_gpu"), ("comm", "comm")):
-        if k in suite:
-            return name
-    return suite
+# suite -> its table in SECTIONS where the names differ (a suite in neither: the step table)
+SECTION_OF = {
+    "overhead-cuda": "overhead",
+    "gpu-replicate": "replicate_gpu",
+    "multigpu-replicate": "replicate_gpu",
+    "gpu-comm": "comm",
+    "multigpu-comm": "comm",
+}
 
 
 # The references as the table names them: they say what they are.
@@ -328,7 +322,7 @@ def format_tables(records: list[dict]) -> str:
     order = list(dict.fromkeys(r["suite"] for r in records if r.get("suite")))
     parts = [] if records else ["(nothing was measured: no requested suite can run here)"]
     for suite in order:
-        title, cols = SECTIONS.get(_section(suite), SECTIONS["steps"])
+        title, cols = SECTIONS.get(SECTION_OF.get(suite, suite), SECTIONS["steps"])
         rows = [
             [_get(r, field) for _, field in cols]
             for r in records

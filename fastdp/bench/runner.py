@@ -1,9 +1,6 @@
-"""Tasks, run settings, and the one place where a configuration is checked, timed and recorded.
-
-A suite plans a list of ``Task``s (so the progress bar knows the total); each task returns records
-(plain dicts that go to the JSON as they are). Failures never stop the run: they are recorded as
-the record's ``status`` (``oom``, ``error``, ``check_failed``) and the next configuration runs.
-"""
+"""Tasks (a suite plans them all first, so the bar knows the total; each returns its records),
+settings, and the one place where a configuration is checked, timed and recorded. A failure is
+recorded as the record's ``status`` (``oom``, ``error``, ``check_failed``); the run goes on."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ import gc
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,7 +38,6 @@ class Task:
     suite: str
     label: str
     fn: Callable[[], list[dict]]
-    records: list[dict] = field(default_factory=list)
 
 
 def last_only(make: Callable) -> Callable:
@@ -122,8 +118,8 @@ def time_modes(
     model: nn.Module,
     args: tuple,
     devices: Sequence | None,
-    n: int,
-    ref_device: torch.device | str,
+    n: int | None = None,
+    ref_device: torch.device | str | None = None,
     input_kind: str | None = None,
     step: str = "train",
     sync: Callable[[], None] | None = None,
@@ -133,13 +129,16 @@ def time_modes(
     """Checks each wrapper, then times every mode of ``mode_list`` interleaved; one record each.
 
     ``bare`` runs ``bare_model`` (default ``model``) on the whole batch, ``floor`` on the
-    replicas' chunks in turn (neither is checked); the wrappers run on ``devices``. A mode that
+    replicas' chunks in turn (neither is checked); the wrappers run on ``devices`` (``n`` of them,
+    checked against ``ref_device``, by default the first, or the CPU without devices). A mode that
     fails its set-up or first step is recorded and left out of the timing; the others are still
     timed. ``auto`` wrappers are timed once their trial steps are over (``modes.settle``).
     """
+    n = n or (len(devices) if devices else 1)
     base = dict(suite=suite, workload=w.name, input=input_kind or w.input_kind, replicas=n)
     base.update(step=step, batch=w.batch, layers=w.layers, **(extra or {}))
     names = devices and [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+    ref_device = ref_device or (names[0] if names else "cpu")
     recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names} for m in mode_list}
     make = modes.train_step if step == "train" else modes.forward_step
     steps: dict[str, Callable[[], None]] = {}
@@ -217,19 +216,17 @@ def run_tasks(
     for t in tasks:
         if bar is not None:
             bar.set_description(f"{t.suite}: {t.label}"[:60])
-        t0 = time.perf_counter()
-
-        def body(_: dict, t: Task = t) -> None:
-            t.records = t.fn()
-
-        failed = guarded({"suite": t.suite, "label": t.label}, body)
-        if failed["status"] != "ok":  # a planning bug in one task must not lose the others
-            t.records = [failed]
-        for r in t.records:
+        t0, records = time.perf_counter(), []
+        failed = guarded(
+            {"suite": t.suite, "label": t.label}, lambda _, got=records, fn=t.fn: got.extend(fn())
+        )
+        if failed["status"] != "ok":  # a bug in one task must not lose the others
+            records = [failed]
+        for r in records:
             r["task"], r["task_s"] = t.label, round(time.perf_counter() - t0, 3)
-        out.extend(t.records)
+        out.extend(records)
         if sink is not None:
-            sink(t.records)
+            sink(records)
         t.fn = None  # drop the task's models and wrappers before the next one
         _release()
         if bar is not None:

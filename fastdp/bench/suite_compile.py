@@ -1,9 +1,6 @@
-"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (modes,
-workloads and the recorded fields in bench/README.md, *Suites*). ``torch_dp`` is recorded as
-unsupported: ``nn.DataParallel`` has no CPU replicas, and its ``replicate`` writes a compiled
-module's copies into the module itself (RecursionError on the next step; NOTE [ Compiled
-replicas ]).
-"""
+"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (bench/
+README.md, *Suites*). ``torch_dp`` is unsupported: no CPU replicas, and its ``replicate`` writes a
+compiled module's copies into the module itself (NOTE [ Compiled replicas ])."""
 
 from __future__ import annotations
 

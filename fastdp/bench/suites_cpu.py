@@ -76,8 +76,6 @@ def passthrough(s: Settings) -> list[Task]:
             model=model,
             args=args,
             devices=None,
-            n=1,
-            ref_device="cpu",
             step=step,
             mode_list=("bare", "torch_dp", "fastdp", "fastdp_noext"),
         )
@@ -111,8 +109,6 @@ def cpu_replicas(s: Settings) -> list[Task]:
             model=model,
             args=args,
             devices=["cpu"] * n,
-            n=n,
-            ref_device="cpu",
             mode_list=("bare", "floor", *modes.WRAPPERS[1:]),
         )
         torch_dp = dict(suite="cpu-replicas", workload=w.name, input=w.input_kind, mode="torch_dp")

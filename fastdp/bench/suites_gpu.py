@@ -1,10 +1,6 @@
-"""The GPU suites (planned only where ``torch.cuda.is_available()``): ``gpu-comm`` /
-``multigpu-comm``, ``gpu-replicate`` / ``multigpu-replicate``, ``gpu-steps`` / ``multigpu-steps``;
-what each measures is in bench/README.md, *Suites*.
-
-``DRY_RUN = True`` (the hidden ``--gpu-dry-run`` flag) runs the same code on CPU devices, so a
-machine without a GPU can execute every line of these suites; its figures mean nothing.
-"""
+"""The GPU suites: ``gpu-``/``multigpu-`` ``comm``, ``replicate`` and ``steps`` (bench/README.md,
+*Suites*). ``DRY_RUN = True`` (the hidden ``--gpu-dry-run``) runs them on CPU devices, so that a
+machine without a GPU executes every line of them; its figures mean nothing."""
 
 from __future__ import annotations
 
@@ -279,8 +275,6 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
             model=model,
             args=args,
             devices=ids(devices),
-            n=len(devices),
-            ref_device=dev(0),
             input_kind=w.input_kind if where == "cuda" else f"{w.input_kind}:{where}",
             mode_list=("bare", "floor") + modes.WRAPPERS,
             bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),

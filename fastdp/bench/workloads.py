@@ -1,10 +1,6 @@
-"""Benchmark workloads, built from ``torch.nn`` only (nothing is downloaded), and their inputs.
-
-Sizes come in four profiles: ``tiny`` (the smoke test), ``quick`` (CI, CPU), ``cpu`` (the default
-CPU run) and ``gpu``. Layer counts and block structure never change with the profile (a 1000-layer
-MLP has 1000 layers, the CNN always has ResNet-50's bottleneck blocks [3, 4, 6, 3]); widths,
-spatial sizes, sequence lengths and batch sizes do.
-"""
+"""Benchmark workloads from ``torch.nn`` only, and their inputs. The profiles ``tiny``, ``quick``,
+``cpu`` and ``gpu`` change widths, spatial sizes, sequence lengths and batch sizes, never layer
+counts or block structure."""
 
 from __future__ import annotations
 
