@@ -22,12 +22,8 @@ def device_line(doc: dict, replicas: int) -> str:
     m = doc["meta"]["machine"]
     gpus = m["gpu"]["names"]
     rec = next(r for r in doc["records"] if r.get("replicas") == replicas and r.get("devices"))
-    where = (
-        f"{replicas} replicas on {rec['devices'][0]}"
-        if len(set(rec["devices"])) == 1
-        else f"{replicas} replicas on {', '.join(rec['devices'])}"
-    )
-    hw = f"{gpus[0]}" if gpus else f"{m['cpu']}, {m['cores']} cores, no GPU"
+    where = f"{replicas} replicas on {', '.join(dict.fromkeys(rec['devices']))}"
+    hw = gpus[0] if gpus else f"{m['cpu']}, {m['cores']} cores, no GPU"
     return f"{hw}; {where}; torch {doc['meta']['torch']}"
 
 

@@ -15,12 +15,7 @@ from fastdp.bench import modes
 from fastdp.bench.runner import Settings, Task, check_mode, guarded, time_into
 
 COMPILED = ("floor_compiled", "fastdp_compiled", "fastdp_wrapper", "dp_algo_compiled")
-FLOOR = {
-    "fastdp_compiled": "floor_compiled",
-    "fastdp_wrapper": "floor_compiled",
-    "dp_algo_compiled": "floor_compiled",
-    "fastdp": "floor",
-}
+FLOOR = {**dict.fromkeys(COMPILED[1:], "floor_compiled"), "fastdp": "floor"}  # mode -> its floor
 _TORCH_DP = (
     "nn.DataParallel has no CPU replicas (without CUDA it calls the module directly), "
     "and its replicate() corrupts a torch.compile'd module (RecursionError)"

@@ -113,46 +113,31 @@ def _dict16(width: int) -> Callable[[int, torch.device | str], tuple]:
     return lambda b, dev: ({f"x{i:02d}": torch.randn(b, width, device=dev) for i in range(16)},)
 
 
-# Per-profile sizes: batch of the MLPs, CNN (base width, image side, batch), transformer (d_model,
-# heads, feed-forward, sequence, batch), LSTM (hidden, sequence, batch).
+# Per profile: wide8 (width, batch), the MLPs' batch, CNN (base width, image side, batch),
+# transformer (d_model, heads, feed-forward, sequence, batch), LSTM (hidden, sequence, batch).
 _SIZES = {
-    "tiny": dict(wide=(64, 32), mlp_b=8, cnn=(4, 16, 4), tf=(16, 2, 32, 8, 4), lstm=(16, 8, 4)),
-    "quick": dict(
-        wide=(256, 128), mlp_b=16, cnn=(8, 16, 8), tf=(32, 4, 64, 16, 8), lstm=(32, 16, 8)
-    ),
-    "cpu": dict(
-        wide=(1024, 512), mlp_b=64, cnn=(16, 32, 8), tf=(64, 4, 256, 32, 16), lstm=(64, 32, 16)
-    ),
-    "gpu": dict(
-        wide=(4096, 4096),
-        mlp_b=1024,
-        cnn=(64, 128, 64),
-        tf=(512, 8, 2048, 128, 64),
-        lstm=(512, 128, 64),
-    ),
+    "tiny": ((64, 32), 8, (4, 16, 4), (16, 2, 32, 8, 4), (16, 8, 4)),
+    "quick": ((256, 128), 16, (8, 16, 8), (32, 4, 64, 16, 8), (32, 16, 8)),
+    "cpu": ((1024, 512), 64, (16, 32, 8), (64, 4, 256, 32, 16), (64, 32, 16)),
+    "gpu": ((4096, 4096), 1024, (64, 128, 64), (512, 8, 2048, 128, 64), (512, 128, 64)),
 }
 
 
 def catalogue(profile: str) -> dict[str, Workload]:
     """Every workload at the sizes of ``profile``, by name (bench/README.md, *Workloads*)."""
-    s = _SIZES[profile]
-    base, side, cnn_b = s["cnn"]
-    d, heads, ff, seq, tf_b = s["tf"]
-    hid, lseq, lstm_b = s["lstm"]
-    width, wide_b = s["wide"]
+    (width, wide_b), mlp_b, (base, side, cnn_b), tf, (hid, lseq, lstm_b) = _SIZES[profile]
+    d, heads, ff, seq, tf_b = tf
 
     def transformer() -> nn.Module:
         layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
         return nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
 
-    out = [
-        Workload(f"mlp{n}", lambda n=n: mlp(n), _randn(32), s["mlp_b"], n) for n in (10, 100, 1000)
-    ]
+    out = [Workload(f"mlp{n}", lambda n=n: mlp(n), _randn(32), mlp_b, n) for n in (10, 100, 1000)]
     out += [
         Workload("resnet50", lambda: resnet50_shaped(base), _randn(3, side, side), cnn_b, 53),
         Workload("transformer12", transformer, _randn(seq, d), tf_b, 12),
         Workload("lstm", lambda: LSTMNet(32, hid), _randn(lseq, 32), lstm_b, 2),
-        Workload("mlp10-dict16", DictMLP, _dict16(32), s["mlp_b"], 26, "dict16"),
+        Workload("mlp10-dict16", DictMLP, _dict16(32), mlp_b, 26, "dict16"),
         Workload("wide8", lambda: mlp(8, width), _randn(width), wide_b, 8),
     ]
     return {w.name: w for w in out}
