@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+import fastdp
+
 
 def _run(cmd: list[str], cwd: str | None = None) -> str | None:
     try:
@@ -50,8 +52,6 @@ def gpus() -> dict:
 
 def git_commit() -> dict:
     """The commit of the checkout fastdp was imported from (None outside a git checkout)."""
-    import fastdp
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastdp.__file__)))
     commit = _run(["git", "rev-parse", "HEAD"], cwd=root)
     if commit is None:
@@ -69,8 +69,6 @@ def load_average() -> float | None:
 
 
 def describe(argv: list[str]) -> dict:
-    import fastdp
-
     try:
         info = fastdp.info()
     except Exception as e:  # the info report must never stop a benchmark

@@ -12,7 +12,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+import fastdp
+from fastdp import _backend
+from fastdp._launch import Auto
 from fastdp.bench.workloads import loss_of, map_tensors, tensors_of
+from fastdp.replicate import replicate
 
 WRAPPERS = ("torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext", "dp_algo")
 MODES = ("bare", "floor", *WRAPPERS)
@@ -27,15 +31,12 @@ LAUNCH_MODES = {
 
 def fresh_replicate(module: nn.Module, devices: Sequence, detach: bool = False) -> list:
     """DataParallel's algorithm: ``fastdp.replicate.replicate``, fresh replicas every call."""
-    from fastdp.replicate import replicate
-
     return replicate(module, devices, detach)
 
 
 @functools.cache
 def dp_algorithm_class() -> type:
     """``FastDataParallel`` with DataParallel's replicate: fresh replicas every call."""
-    import fastdp
 
     class DPAlgorithm(fastdp.FastDataParallel):
         def replicate(self, module, device_ids):
@@ -63,8 +64,6 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
     elif mode == "torch_dp":
         obj = nn.DataParallel(model, **kw)
     elif mode in ("fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext"):
-        import fastdp
-
         obj = fastdp.FastDataParallel(model, **kw)
     elif mode == "dp_algo":
         obj = dp_algorithm_class()(model, **kw)
@@ -77,8 +76,6 @@ def mode_context(mode: str) -> contextlib.AbstractContextManager:
     """``fastdp_noext``: the extension disabled (``fastdp._backend.use_extension(False)``)."""
     if mode != "fastdp_noext":
         return contextlib.nullcontext()
-    from fastdp import _backend
-
     return _backend.use_extension(False)
 
 
@@ -87,7 +84,6 @@ def in_mode(mode: str, fn: Callable[[], None]) -> Callable[[], None]:
     interleaved timing of several modes gives each its own backend setting."""
     if mode != "fastdp_noext":
         return fn
-    from fastdp import _backend
 
     def step() -> None:
         prev = _backend.set_enabled(False)
@@ -153,8 +149,6 @@ def settle(call: Callable, step: Callable[[], None]) -> None:
     report = getattr(call, "launch_report", None)
     if report is None or getattr(call, "launch", None) != "auto":
         return
-    from fastdp._launch import Auto
-
     for _ in range(4 + 2 * (Auto.WARMUP + Auto.TRIALS)):
         if report() and all(r["choice"] for r in report()):
             return

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastdp import comm
 from fastdp.bench import modes, timing
 from fastdp.bench.workloads import Workload
 
@@ -82,8 +83,6 @@ def _release() -> None:
 
 def _pool_allocations() -> int:
     """Blocks the extension's pinned pool allocated so far (0 without a CUDA build)."""
-    from fastdp import comm
-
     return comm.copy_stats()["pinned_pool_allocations"]
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import fastdp
 from fastdp.bench import modes
 from fastdp.bench.runner import Settings, Task, check_mode, guarded, time_into
 
@@ -62,8 +63,6 @@ def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
 
 def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int, options: dict) -> list:
     import torch._dynamo
-
-    import fastdp
 
     width, batch = wb
     dev = "cpu" if kind == "cpu" else "cuda:0"

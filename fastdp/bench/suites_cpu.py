@@ -12,6 +12,7 @@ import time
 import torch
 from torch import nn
 
+import fastdp
 import fastdp.bench.workloads as wl
 from fastdp.bench import modes, timing
 from fastdp.bench.runner import (
@@ -123,8 +124,6 @@ def cpu_replicas(s: Settings) -> list[Task]:
 
 
 def _areas() -> dict[str, str]:
-    import fastdp
-
     fdp = os.path.dirname(os.path.abspath(fastdp.__file__))
     par = os.path.dirname(os.path.abspath(torch.nn.parallel.__file__))
     return {
@@ -288,8 +287,6 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
     layers = layers or plan(s.profile, "replicate")
 
     def run(k: int) -> list[dict]:
-        import fastdp
-
         fresh = modes.fresh_replicate
         torch.manual_seed(0)
         model = wl.mlp(k).train()
@@ -341,8 +338,6 @@ def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
         return same and not any(fastdps(f) for f in now.values() if callable(f))
 
     def run() -> list[dict]:
-        import fastdp
-
         base = {"suite": "module-build", "workload": f"mlp{layers}", "layers": layers}
         recs = {m: {**base, "mode": m} for m in ("without", "with")}
         ms: dict[str, list[float]] = {m: [] for m in recs}

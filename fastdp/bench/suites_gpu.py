@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import comm as tcomm
 
+import fastdp
 import fastdp.bench.workloads as wl
+from fastdp import comm as fcomm
 from fastdp.bench import modes, timing
 from fastdp.bench.runner import Settings, Task, guarded, last_only, time_into, time_modes
 from fastdp.bench.suites_cpu import consume_graph
@@ -67,8 +69,6 @@ def _exact(got, want) -> bool:
 
 def _both(op: str, *args: object) -> dict[str, Callable[[], object]]:
     """``torch.nn.parallel.comm``'s ``op`` and ``fastdp.comm``'s, on the same arguments."""
-    from fastdp import comm as fcomm
-
     return {"torch": lambda: getattr(tcomm, op)(*args), "fastdp": lambda: getattr(fcomm, op)(*args)}
 
 
@@ -192,9 +192,6 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
     names = ("mlp100",) if s.profile == "tiny" else ("mlp1000", "resnet50")
 
     def run(w: wl.Workload) -> list[dict]:
-        import fastdp
-        from fastdp import comm as fcomm
-
         fresh = modes.fresh_replicate
         model = wl.build(w, dev(0))
         fdp = fastdp.FastDataParallel(model, device_ids=ids(devices))
