@@ -148,21 +148,15 @@ def _note(msg: str) -> None:
 
 def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
     """The suites that run here, those skipped (with why), their tasks, and the profiles."""
-    wanted = (
-        auto_suites()
-        if "auto" in args.suite
-        else list(ALL_SUITES)
-        if "all" in args.suite
-        else list(dict.fromkeys(args.suite))
-    )
+    wanted = list(dict.fromkeys(args.suite))
+    if "auto" in wanted or "all" in wanted:
+        wanted = auto_suites() if "auto" in wanted else list(ALL_SUITES)
     skipped = {s: why for s in wanted if (why := why_not(s))}
     for s, why in skipped.items():
         _note(f"suite {s} skipped: {why}")
     suites = [s for s in wanted if s not in skipped]
-    profiles = {
-        "cpu": "tiny" if args.tiny else "quick" if args.quick else "cpu",
-        "gpu": "tiny" if args.tiny else "quick" if args.quick or args.gpu_dry_run else "gpu",
-    }
+    small = "tiny" if args.tiny else "quick" if args.quick else None
+    profiles = {"cpu": small or "cpu", "gpu": small or ("quick" if args.gpu_dry_run else "gpu")}
     replicas = tuple(args.replicas or ((1, 4) if args.quick else (1, 2, 4)))
     tasks: list[Task] = []
     for s in suites:
@@ -202,11 +196,8 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
         pngs = plots.write_all(records, args.out)
     elif not args.no_plots:
         _note("matplotlib is not installed; no plots (pip install matplotlib).")
-    meta.update(
-        plots=[os.path.basename(p) for p in pngs],
-        wall_s=time.perf_counter() - t_start,
-        load_average={"start": load, "end": machine.load_average()},
-    )
+    meta.update(plots=[os.path.basename(p) for p in pngs], wall_s=time.perf_counter() - t_start)
+    meta.update(load_average={"start": load, "end": machine.load_average()})
     json_path = os.path.join(args.out, "results.json")
     report.write_json(json_path, meta, records)
     os.remove(partial)

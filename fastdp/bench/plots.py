@@ -319,11 +319,8 @@ def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) ->
 def overhead_figure(records: list[dict], suite: str):
     """The wrapper's own cost per step (step minus the bare module on the same chunks) and its
     Python calls, per workload in order of parameter tensors; flat means O(1) per step."""
-    recs = [
-        r
-        for r in records
-        if r.get("suite") == suite and r.get("mode") != "model_chunks" and r.get("params")
-    ]
+    recs = [r for r in records if r.get("suite") == suite and r.get("params")]
+    recs = [r for r in recs if r.get("mode") != "model_chunks"]
     if not recs:
         return None
     works = sorted({(r["params"], r["workload"]) for r in recs})

@@ -374,53 +374,41 @@ def _load(meta: dict) -> str:
     return f"{la['start']:.1f} at start, {la['end']:.1f} at end"
 
 
-# The headline's Markdown tables as data: headline key -> [(header, rule, field, format spec)];
-# spec None: ``_fmt``; a field (a, b): "a (b)", both by ``_fmt``.
-MARKDOWN: dict[str, list[tuple[str, str, str | tuple[str, str], str | None]]] = {
-    "replicate_cpu": [
-        ("layers", "---:", "layers", ""),
-        ("replicas", "---:", "replicas", ""),
-        ("fastdp replicate (ms)", "---:", "fastdp_ms", ".3g"),
-        ("DataParallel's algorithm (ms)", "---:", "dp_algo_ms", ".3g"),
-        ("ratio", "---:", "ratio", ".3f"),
-    ],
-    "overhead": [
-        ("workload", "---", "workload", ""),
-        ("parameter tensors", "---:", "params", ""),
-        ("mode", "---", "mode", ""),
-        ("step (ms)", "---:", "step_ms", None),
-        ("host overhead (ms)", "---:", "overhead_ms", None),
-        ("wrapper Python calls per step", "---:", "wrapper_calls_per_step", None),
-    ],
-    "steps_fastdp": [
-        ("suite", "---", "suite", ""),
-        ("workload", "---", "workload", ""),
-        ("input", "---", "input", ""),
-        ("replicas", "---:", "replicas", ""),
-        ("fastdp step (ms)", "---:", "step_ms", None),
-        ("x floor", "---:", "vs_floor", None),
-        ("x bare", "---:", "vs_bare", None),
-        ("x dp_algo", "---:", "vs_dp_algo", None),
-        ("x nn.DataParallel", "---:", "vs_torch_dp", None),
-    ],
-    "launch": [
-        ("suite", "---", "suite", ""),
-        ("workload", "---", "workload", ""),
-        ("replicas", "---:", "replicas", ""),
-        ("floor (ms)", "---:", "floor_ms", None),
-        ("threads (x floor)", "---:", ("threads_ms", "threads_x_floor"), None),
-        ("inline (x floor)", "---:", ("inline_ms", "inline_x_floor"), None),
-        ("auto (x floor)", "---:", ("auto_ms", "auto_x_floor"), None),
-        ("auto picked", "---", "auto_pick", ""),
-        ("auto / threads", "---:", "auto_x_threads", None),
-    ],
+# The headline's Markdown tables as data: headline key -> (header row, fields). A launch strategy's
+# field is written "its ms (its x floor)"; fields of RAW as they are, of SPECS in their format, any
+# other by ``_fmt``; every column right-aligned but those of TEXT.
+MARKDOWN = {
+    "replicate_cpu": (
+        "layers | replicas | fastdp replicate (ms) | DataParallel's algorithm (ms) | ratio",
+        "layers replicas fastdp_ms dp_algo_ms ratio",
+    ),
+    "overhead": (
+        "workload | parameter tensors | mode | step (ms) | host overhead (ms) | "
+        "wrapper Python calls per step",
+        "workload params mode step_ms overhead_ms wrapper_calls_per_step",
+    ),
+    "steps_fastdp": (
+        "suite | workload | input | replicas | fastdp step (ms) | x floor | x bare | x dp_algo | "
+        "x nn.DataParallel",
+        "suite workload input replicas step_ms vs_floor vs_bare vs_dp_algo vs_torch_dp",
+    ),
+    "launch": (
+        "suite | workload | replicas | floor (ms) | threads (x floor) | inline (x floor) | "
+        "auto (x floor) | auto picked | auto / threads",
+        "suite workload replicas floor_ms threads inline auto auto_pick auto_x_threads",
+    ),
 }
+TEXT = ("suite", "workload", "input", "mode", "auto_pick")
+RAW = (*TEXT, "layers", "replicas", "params")
+SPECS = {"fastdp_ms": ".3g", "dp_algo_ms": ".3g", "ratio": ".3f"}
 
 
-def _cell(r: dict, field: str | tuple[str, str], spec: str | None) -> str:
-    if isinstance(field, tuple):
-        return f"{_fmt(r.get(field[0]))} ({_fmt(r.get(field[1]))})"
-    return _fmt(r.get(field)) if spec is None else format(r[field], spec)
+def _cell(r: dict, field: str) -> str:
+    if field in LAUNCH_MODES.values():
+        return f"{_fmt(r.get(field + '_ms'))} ({_fmt(r.get(field + '_x_floor'))})"
+    if field in RAW or field in SPECS:
+        return format(r[field], SPECS.get(field, ""))
+    return _fmt(r.get(field))
 
 
 def headline_markdown(doc: dict) -> str:
@@ -437,17 +425,14 @@ def headline_markdown(doc: dict) -> str:
         f"1-min load average {_load(meta)}.",
         "",
     ]
-    for key, cols in MARKDOWN.items():
+    for key, (header, fields) in MARKDOWN.items():
         if head.get(key):
+            rules = "|".join("---" if f in TEXT else "---:" for f in fields.split())
+            lines += [f"| {header} |", f"|{rules}|"]
             lines += [
-                "| " + " | ".join(h for h, *_ in cols) + " |",
-                "|" + "|".join(rule for _, rule, *_ in cols) + "|",
-                *(
-                    "| " + " | ".join(_cell(r, f, spec) for *_, f, spec in cols) + " |"
-                    for r in head[key]
-                ),
-                "",
+                "| " + " | ".join(_cell(r, f) for f in fields.split()) + " |" for r in head[key]
             ]
+            lines.append("")
     if head.get("not_ok"):
         lines += ["Not ok in this run: " + "; ".join(head["not_ok"]), ""]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -208,8 +209,6 @@ def run_tasks(
             tqdm.monitor_interval = 0  # no monitor thread: it would show up in call counts
             bar = tqdm(total=len(tasks), unit="cfg", dynamic_ncols=True, leave=False)
         except ImportError:
-            import sys
-
             print("fastdp.bench: tqdm is not installed; no progress bar.", file=sys.stderr)
     out: list[dict] = []
     for t in tasks:
