@@ -96,24 +96,19 @@ OVERHEAD_FIELDS = ("workload", "mode", "params", "overhead_ms", "wrapper_calls_p
 STEP_FIELDS = ("suite", "workload", "input", "replicas", "mode")
 
 
+def _copy(r: dict, fields: tuple[str, ...], **more: object) -> dict:
+    return {**{k: r.get(k) for k in fields}, "step_ms": med(r), **more}
+
+
 def headline(records: list[dict]) -> dict:
     """The figures a reader looks for first, each copied from a record of this run."""
     timed = [r for r in records if med(r) is not None]
-    overhead = [
-        r
-        for r in timed
-        if r.get("suite", "").startswith("overhead") and r.get("mode") != "model_chunks"
-    ]
+    overhead = [r for r in timed if r.get("suite", "").startswith("overhead")]
     steps = [r for r in timed if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp"]
     out = {
         "replicate_cpu": _replicate_rows(records),
-        "overhead": [
-            {**{k: r.get(k) for k in OVERHEAD_FIELDS}, "step_ms": med(r)} for r in overhead
-        ],
-        "steps_fastdp": [
-            {**{k: r.get(k) for k in STEP_FIELDS}, "step_ms": med(r), **r.get("ratios", {})}
-            for r in steps
-        ],
+        "overhead": [_copy(r, OVERHEAD_FIELDS) for r in overhead if r["mode"] != "model_chunks"],
+        "steps_fastdp": [_copy(r, STEP_FIELDS, **r.get("ratios", {})) for r in steps],
         "launch": launch_rows(records),
     }
     out = {k: v for k, v in out.items() if v}
@@ -260,11 +255,7 @@ def _get(r: dict, field: Field) -> object:
 # The stdout tables as data: section -> (title, [(column header, field)]), ``_get``'s fields.
 WORKLOAD, MODE, STATUS = ("workload", "workload"), ("mode", _mode), ("status", _status)
 LAUNCH, RAW_MODE, DEVICES = ("launch", _launch), ("mode", "mode"), ("devices", _devs)
-MEDIAN, MIN, MAX = (
-    ("median", "time_ms.median_ms"),
-    ("min", "time_ms.min_ms"),
-    ("max", "time_ms.max_ms"),
-)
+MEDIAN, MIN, MAX = [(k, f"time_ms.{k}_ms") for k in ("median", "min", "max")]
 TIMES, STEP = [MEDIAN, MIN, MAX], ("step ms", "time_ms.median_ms")
 X_FLOOR, X_BARE = ("x floor", "ratios.vs_floor"), ("x bare", "ratios.vs_bare")
 X_DP, X_TORCH = ("x dp_algo", "ratios.vs_dp_algo"), ("x torch", "ratios.vs_torch")

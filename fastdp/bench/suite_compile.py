@@ -46,22 +46,19 @@ def _frames(graphs: bool = False) -> int:
     return counters["frames"]["total"] + (counters["stats"]["unique_graphs"] if graphs else 0)
 
 
-def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
-    options = options or {}  # torch.compile's defaults: inductor, mode "default"
+def compile_tasks(s: Settings) -> list[Task]:
     kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     table = WORKLOADS.get(s.profile, WORKLOADS["cpu"])
     ns = [n for n in s.replicas if n > 1] or [2]
     return [
-        Task(
-            "compile", f"{name} {kind} x{n}", functools.partial(_run, s, name, wb, kind, n, options)
-        )
+        Task("compile", f"{name} {kind} x{n}", functools.partial(_run, s, name, wb, kind, n))
         for name, wb in table.items()
         for kind in kinds
         for n in ns
     ]
 
 
-def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int, options: dict) -> list:
+def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int) -> list[dict]:
     import torch._dynamo
 
     width, batch = wb
@@ -73,12 +70,12 @@ def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int, options
     torch.manual_seed(1)
     args = (torch.randn(batch, width, device=dev),)
     chunks = modes.chunk_inputs(args, n)
-    cm = torch.compile(model, **options)
+    cm = torch.compile(model)  # torch.compile's defaults: inductor, mode "default"
     base = dict(suite="compile", workload=name, input="tensor", replicas=n)
     base.update(devices=[str(torch.device(dev))] * n, batch=batch, width=width, step="train")
-    base.update(compile_options={k: str(v) for k, v in options.items()})
+    base.update(compile_options={})
     wrapper = fastdp.FastDataParallel(model, device_ids=ids)
-    wrapper.compile(**options)
+    wrapper.compile()
     calls: dict[str, tuple[Callable, nn.Module | None]] = {
         "floor_compiled": (_on_chunks(cm, chunks), None),
         "fastdp_compiled": (fastdp.FastDataParallel(cm, device_ids=ids), cm),

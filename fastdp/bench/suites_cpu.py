@@ -303,15 +303,8 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
         for m, fn in impls.items():
             guarded(recs[m], lambda r, fn=fn: _check_replicas(r, fn, model, x, n))
         model.zero_grad(set_to_none=True)
-        time_into(
-            s,
-            {
-                m: (impls[m], consume_graph)
-                for m, r in recs.items()
-                if r["status"] in ("ok", "check_failed")
-            },
-            recs,
-        )
+        ok = [m for m, r in recs.items() if r["status"] in ("ok", "check_failed")]
+        time_into(s, {m: (impls[m], consume_graph) for m in ok}, recs)
         model.zero_grad(set_to_none=True)
         return list(recs.values())
 

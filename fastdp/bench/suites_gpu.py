@@ -215,16 +215,9 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
                 consume_graph(out)
 
         recs = {m: guarded({**base, "mode": m}, lambda r, m=m: first(r, m)) for m in impls}
-        time_into(
-            s,
-            {
-                m: (fn, consume_graph) if m in replicating else fn
-                for m, fn in impls.items()
-                if recs[m]["status"] == "ok"
-            },
-            recs,
-            _sync(devices),
-        )
+        ok = [m for m in impls if recs[m]["status"] == "ok"]
+        timed = {m: (impls[m], consume_graph) if m in replicating else impls[m] for m in ok}
+        time_into(s, timed, recs, _sync(devices))
         model.zero_grad(set_to_none=True)
         return list(recs.values())
 
