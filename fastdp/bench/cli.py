@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from fastdp.bench import machine, plots, report, suite_compile, suites_cpu, suites_gpu
-from fastdp.bench.runner import Settings, Task, run_tasks
+from fastdp.bench.runner import Settings, Task, run_tasks, threads
 
 CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build")
 GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
@@ -132,13 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
-    threads = torch.get_num_threads()
     suites_gpu.DRY_RUN = args.gpu_dry_run
-    torch.set_num_threads(args.threads)
     try:
-        return _run(args, argv, t_start)
+        with threads(args.threads):
+            return _run(args, argv, t_start)
     finally:
-        torch.set_num_threads(threads)
         suites_gpu.DRY_RUN = False
 
 

@@ -48,7 +48,7 @@ def dp_algorithm_class() -> type:
 
 @contextlib.contextmanager
 def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[Callable]:
-    """Yields the callable of ``mode`` around ``model``; the wrapper is dropped on exit.
+    """Yields the callable of ``mode`` around ``model``, for the ``with`` block only.
 
     ``devices=None`` constructs the wrapper without ``device_ids`` (its default devices). Run
     everything that uses it (forward *and* backward) under ``mode_context(mode)``.
@@ -57,19 +57,17 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
     if mode in LAUNCH_MODES:  # explicit, so that FASTDP_LAUNCH in the environment cannot sway it
         kw["launch"] = LAUNCH_MODES[mode]
     if mode == "bare":
-        obj = model
+        yield model
     elif mode == "floor":
-        n = 1 if devices is None else len(devices)
-        obj = functools.partial(chunked_call, model, n)
+        yield functools.partial(chunked_call, model, 1 if devices is None else len(devices))
     elif mode == "torch_dp":
-        obj = nn.DataParallel(model, **kw)
+        yield nn.DataParallel(model, **kw)
     elif mode in ("fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext"):
-        obj = fastdp.FastDataParallel(model, **kw)
+        yield fastdp.FastDataParallel(model, **kw)
     elif mode == "dp_algo":
-        obj = dp_algorithm_class()(model, **kw)
+        yield dp_algorithm_class()(model, **kw)
     else:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    yield obj  # dropped with this generator's frame when the block exits
 
 
 def mode_context(mode: str) -> contextlib.AbstractContextManager:

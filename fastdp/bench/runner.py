@@ -9,7 +9,7 @@ import gc
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,17 @@ def last_only(make: Callable) -> Callable:
 def short_error(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first}"[:300]
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def guarded(record: dict, body: Callable[[dict], None]) -> dict:
@@ -120,11 +131,9 @@ def time_modes(
     devices: Sequence | None,
     n: int | None = None,
     ref_device: torch.device | str | None = None,
-    input_kind: str | None = None,
-    step: str = "train",
     sync: Callable[[], None] | None = None,
-    extra: dict | None = None,
     bare_model: nn.Module | None = None,
+    **fields: object,
 ) -> list[dict]:
     """Checks each wrapper, then times every mode of ``mode_list`` interleaved; one record each.
 
@@ -133,14 +142,16 @@ def time_modes(
     checked against ``ref_device``, by default the first, or the CPU without devices). A mode that
     fails its set-up or first step is recorded and left out of the timing; the others are still
     timed. ``auto`` wrappers are timed once their trial steps are over (``modes.settle``).
+    ``fields`` go into every record: ``step`` ("train", the default, or "forward"), ``input``
+    (by default the workload's), any other.
     """
     n = n or (len(devices) if devices else 1)
-    base = dict(suite=suite, workload=w.name, input=input_kind or w.input_kind, replicas=n)
-    base.update(step=step, batch=w.batch, layers=w.layers, **(extra or {}))
+    base = dict(suite=suite, workload=w.name, input=w.input_kind, replicas=n, step="train")
+    base.update(batch=w.batch, layers=w.layers, **fields)
     names = devices and [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
     ref_device = ref_device or (names[0] if names else "cpu")
     recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names} for m in mode_list}
-    make = modes.train_step if step == "train" else modes.forward_step
+    make = modes.train_step if base["step"] == "train" else modes.forward_step
     steps: dict[str, Callable[[], None]] = {}
     calls: dict[str, Callable] = {}
     with contextlib.ExitStack() as stack:

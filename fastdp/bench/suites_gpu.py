@@ -4,9 +4,8 @@ machine without a GPU executes every line of them; its figures mean nothing."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,7 +15,7 @@ import fastdp
 import fastdp.bench.workloads as wl
 from fastdp import comm as fcomm
 from fastdp.bench import modes, timing
-from fastdp.bench.runner import Settings, Task, guarded, last_only, time_into, time_modes
+from fastdp.bench.runner import Settings, Task, guarded, last_only, threads, time_into, time_modes
 from fastdp.bench.suites_cpu import consume_graph
 
 MiB = 1 << 20
@@ -123,20 +122,20 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
         fns: dict[tuple, Callable] = {}
         passes = [(op, None) for op in ops if op not in THREADED_OPS]
         passes += [(op, t) for t in PAGEABLE_THREADS for op in THREADED_OPS]
-        for op, threads in passes:
+        for op, n_threads in passes:
             kind, impls, ref = ops[op]
             for impl, fn in impls.items():
-                key = (op, impl, threads)
+                key = (op, impl, n_threads)
                 r = dict(suite=suite, op=op, kind=kind, mode=impl, bytes=x.numel() * 4)
                 r.update(devices=[str(d) for d in devs], replicas=n)
                 r.update(tensors=tensors if kind == "broadcast" else 1)
-                r.update(threads=threads or torch.get_num_threads())
+                r.update(threads=n_threads or torch.get_num_threads())
                 recs[key] = guarded(r, lambda r, fn=fn, ref=ref: _check_exact(r, fn, ref))
                 if recs[key]["status"] in ("ok", "check_failed"):
                     fns[key] = fn
         time_into(s, {k: f for k, f in fns.items() if k[2] is None}, recs, sync)
         for t in PAGEABLE_THREADS:
-            with _threads(t):
+            with threads(t):
                 time_into(s, {k: f for k, f in fns.items() if k[2] == t}, recs, sync)
         out = list(recs.values())
         _bandwidths(out)
@@ -171,17 +170,6 @@ def _bandwidths(out: list[dict]) -> None:
         if r["kind"] != "limit" and lim and "gbps" in r:
             r["limit_op"], r["limit_gbps"] = lim["op"], lim["gbps"]
             r["frac_of_limit"] = r["gbps"] / lim["gbps"]
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` inside the block."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
@@ -265,11 +253,11 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
             model=model,
             args=args,
             devices=ids(devices),
-            input_kind=w.input_kind if where == "cuda" else f"{w.input_kind}:{where}",
+            input=w.input_kind if where == "cuda" else f"{w.input_kind}:{where}",
             mode_list=("bare", "floor") + modes.WRAPPERS,
             bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),
             sync=_sync(devices),
-            extra={"distinct_gpus": len(set(devices))},
+            distinct_gpus=len(set(devices)),
         )
 
     return [
