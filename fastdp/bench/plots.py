@@ -11,7 +11,9 @@ tests/test_tools_bench_plots.py checks these on the figures of a real run.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -45,15 +47,8 @@ COLORS = {m: OKABE_ITO[c] for m, (c, _, _) in STYLE.items()}
 MARKERS = {m: k for m, (_, k, _) in STYLE.items() if k}
 LABELS = {m: label for m, (_, _, label) in STYLE.items()}
 HEADLINE_MODES = ("fastdp", "dp_algo", "torch_dp")
-RC = {
-    "font.size": 11,
-    "axes.titlesize": 11,
-    "axes.labelsize": 11,
-    "xtick.labelsize": 10,
-    "ytick.labelsize": 10,
-    "legend.fontsize": 10,
-    "figure.titlesize": 12,
-}
+RC = {"font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11, "figure.titlesize": 12}
+RC |= dict.fromkeys(("xtick.labelsize", "ytick.labelsize", "legend.fontsize"), 10)  # >= 10 pt
 WIDTH_IN, DPI = 11.0, 110  # 1210 px
 BAR_IN = 0.24  # height of one horizontal bar
 LABEL_BOX = {"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8}
@@ -448,9 +443,6 @@ def bandwidth_figure(records: list[dict], suite: str):
 
 
 if __name__ == "__main__":  # python -m fastdp.bench.plots RESULTS.json [OUT_DIR]: redraw
-    import json
-    import sys
-
     src = sys.argv[1]
     dst = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(src))
     os.makedirs(dst, exist_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -430,7 +431,5 @@ def headline_markdown(doc: dict) -> str:
 
 
 if __name__ == "__main__":  # python -m fastdp.bench.report RESULTS.json: Markdown headline
-    import sys
-
     with open(sys.argv[1]) as f:
         print(headline_markdown(json.load(f)))

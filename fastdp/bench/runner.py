@@ -128,10 +128,9 @@ def time_modes(
     mode_list: Sequence[str],
     model: nn.Module,
     args: tuple,
-    devices: Sequence | None,
+    devices: Sequence | None = None,
     n: int | None = None,
     ref_device: torch.device | str | None = None,
-    sync: Callable[[], None] | None = None,
     bare_model: nn.Module | None = None,
     **fields: object,
 ) -> list[dict]:
@@ -150,6 +149,7 @@ def time_modes(
     base.update(batch=w.batch, layers=w.layers, **fields)
     names = devices and [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
     ref_device = ref_device or (names[0] if names else "cpu")
+    sync = timing.cuda_sync(names or [])  # every CUDA device in use, before and after a repeat
     recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names} for m in mode_list}
     make = modes.train_step if base["step"] == "train" else modes.forward_step
     steps: dict[str, Callable[[], None]] = {}
@@ -159,9 +159,7 @@ def time_modes(
             target = (bare_model or model) if m in ("bare", "floor") else model
             wrapper = modes.wrapped(m, target, None if m == "bare" else devices)
 
-            def setup(
-                r: dict, m: str = m, wrapper: contextlib.AbstractContextManager = wrapper
-            ) -> None:
+            def setup(r: dict, m: str = m, wrapper: contextlib.AbstractContextManager = wrapper):
                 calls[m] = call = stack.enter_context(wrapper)
                 if m not in ("bare", "floor") and s.check:
                     check_mode(r, s, m, model, call, args, n, ref_device)

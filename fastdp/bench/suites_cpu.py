@@ -76,7 +76,6 @@ def passthrough(s: Settings) -> list[Task]:
             w=w,
             model=model,
             args=args,
-            devices=None,
             step=step,
             mode_list=("bare", "torch_dp", "fastdp", "fastdp_noext"),
         )
@@ -287,7 +286,6 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
     layers = layers or plan(s.profile, "replicate")
 
     def run(k: int) -> list[dict]:
-        fresh = modes.fresh_replicate
         torch.manual_seed(0)
         model = wl.mlp(k).train()
         x = torch.randn(2, 32)
@@ -297,7 +295,7 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
         ids = fdp.device_ids
         impls = {
             "fastdp": lambda: fdp.replicate(fdp.module, ids),
-            "dp_algo": lambda: fresh(model, ids, not torch.is_grad_enabled()),
+            "dp_algo": lambda: modes.fresh_replicate(model, ids, not torch.is_grad_enabled()),
         }
         recs = {m: {**base, "mode": m} for m in impls}
         for m, fn in impls.items():

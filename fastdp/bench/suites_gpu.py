@@ -39,10 +39,6 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if DRY_RUN else t.pin_memory()
 
 
-def _sync(devices: list[int]) -> Callable[[], None]:
-    return timing.cuda_sync([dev(d) for d in devices])
-
-
 def device_sets(multi: bool, replicas: tuple[int, ...]) -> list[list[int]]:
     """``[0] * n`` for the shared-GPU suites; ``[0..k-1]`` for k = 1, 2, 4, ... and all GPUs."""
     if not multi:
@@ -111,7 +107,7 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
     suite = "multigpu-comm" if multi else "gpu-comm"
     devices = list(range(gpu_count())) if multi else [0] * 4
     devs = [dev(d) for d in devices]
-    sync = _sync(devices)
+    sync = timing.cuda_sync(devs)
 
     def run(size: int) -> list[dict]:
         n = len(devices)
@@ -180,14 +176,13 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
     names = ("mlp100",) if s.profile == "tiny" else ("mlp1000", "resnet50")
 
     def run(w: wl.Workload) -> list[dict]:
-        fresh = modes.fresh_replicate
         model = wl.build(w, dev(0))
         fdp = fastdp.FastDataParallel(model, device_ids=ids(devices))
         params = list(model.parameters())
         d = ids(devices)
         impls = {
             "torch": lambda: torch.nn.parallel.replicate(model, d),
-            "dp_algo": lambda: fresh(model, d, False),
+            "dp_algo": lambda: modes.fresh_replicate(model, d, False),
             "fastdp": lambda: fdp.replicate(fdp.module, fdp.device_ids),
             "torch_broadcast_coalesced": lambda: tcomm.broadcast_coalesced(params, d),
             "fastdp_comm_broadcast_coalesced": lambda: fcomm.broadcast_coalesced(params, d),
@@ -205,7 +200,7 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
         recs = {m: guarded({**base, "mode": m}, lambda r, m=m: first(r, m)) for m in impls}
         ok = [m for m in impls if recs[m]["status"] == "ok"]
         timed = {m: (impls[m], consume_graph) if m in replicating else impls[m] for m in ok}
-        time_into(s, timed, recs, _sync(devices))
+        time_into(s, timed, recs, timing.cuda_sync(base["devices"]))
         model.zero_grad(set_to_none=True)
         return list(recs.values())
 
@@ -256,7 +251,6 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
             input=w.input_kind if where == "cuda" else f"{w.input_kind}:{where}",
             mode_list=("bare", "floor") + modes.WRAPPERS,
             bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),
-            sync=_sync(devices),
             distinct_gpus=len(set(devices)),
         )
 
