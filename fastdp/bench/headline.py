@@ -12,9 +12,7 @@ from fastdp.bench.report import STEP_SUITES, by_mode, med
 
 
 def _speedup(other: dict | None, fd: dict) -> str:
-    if not other or med(other) is None:
-        return "n/a"
-    return f"{med(other) / med(fd):.2f}x"
+    return f"{med(other) / med(fd):.2f}x" if other and med(other) is not None else "n/a"
 
 
 def device_line(doc: dict, replicas: int) -> str:

@@ -72,9 +72,7 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
 
 def mode_context(mode: str) -> contextlib.AbstractContextManager:
     """``fastdp_noext``: the extension disabled (``fastdp._backend.use_extension(False)``)."""
-    if mode != "fastdp_noext":
-        return contextlib.nullcontext()
-    return _backend.use_extension(False)
+    return _backend.use_extension(False) if mode == "fastdp_noext" else contextlib.nullcontext()
 
 
 def in_mode(mode: str, fn: Callable[[], None]) -> Callable[[], None]:

@@ -162,9 +162,7 @@ def _fmt(v: object, nd: int = 3) -> str:
 
 def _table(title: str, headers: list[str], rows: list[list]) -> str:
     cells = [[_fmt(c) for c in row] for row in rows]
-    w = [
-        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
-    ]
+    w = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w[i]) for i, h in enumerate(headers))
     body = [
         "  ".join(c.rjust(w[i]) if i >= 1 and _num(c) else c.ljust(w[i]) for i, c in enumerate(r))
@@ -211,10 +209,8 @@ def _mode(r: dict) -> str:
 def _launch(r: dict) -> str:
     """The strategy a fastdp record ran: forced, ``auto → pick``, or why auto picked none."""
     launch = r.get("launch")
-    if launch is None:
-        return "-"
     if launch != "auto":
-        return launch
+        return launch or "-"
     picks = sorted({p["choice"] for p in r.get("launch_pick") or [] if p.get("choice")})
     if picks:
         return f"auto → {'/'.join(picks)}"

@@ -205,9 +205,7 @@ def record_launch(recs: dict, calls: dict) -> None:
             recs[m]["launch_pick"] = call.launch_report()
 
 
-def run_tasks(
-    tasks: list[Task], progress: bool = True, sink: Callable[[list[dict]], None] | None = None
-) -> list[dict]:
+def run_tasks(tasks: list[Task], progress: bool = True, sink: Callable | None = None) -> list[dict]:
     """Runs every task under a tqdm bar on stderr (no bar when tqdm is missing); ``sink`` gets
     each task's records as soon as it is done (what a run cut short keeps)."""
     bar = None

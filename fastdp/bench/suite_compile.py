@@ -25,10 +25,8 @@ _TORCH_DP = (
 
 def gelu_mlp(width: int, depth: int = 4, out: int = 8) -> nn.Sequential:
     """The issue's model: ``depth`` x (Linear(width, width), GELU) + Linear(width, out)."""
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, out))
+    blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())]
+    return nn.Sequential(*blocks, nn.Linear(width, out))
 
 
 # name -> (width, batch) per profile: the issue's 64-wide MLP at batch 64, and a wider one

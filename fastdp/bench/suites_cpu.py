@@ -144,9 +144,8 @@ def overhead_tasks(
     cuda = device == "cuda"
     dev = "cuda:0" if cuda else "cpu"
     ids = 0 if cuda else "cpu"
-    runs = [("fastdp", n), ("fastdp_threads", n), ("fastdp_inline", n), ("dp_algo", n)] + (
-        [("torch_dp", n), ("torch_dp", 1)] if cuda else []
-    )
+    runs = [(m, n) for m in ("fastdp", "fastdp_threads", "fastdp_inline", "dp_algo")]
+    runs += [("torch_dp", n), ("torch_dp", 1)] if cuda else []
     suite = "overhead-cuda" if cuda else "overhead"
     sync = timing.cuda_sync([dev]) if cuda else None
 
@@ -229,11 +228,8 @@ def _count_wrapper(r: dict, s: Settings, mode: str, model, args, devices: list, 
 
 def _time_together(s: Settings, recs: dict, refs: dict, model, args, ids, sync) -> None:
     """Times every run that counted without error, interleaved, with fresh wrappers."""
-    fns = {
-        ("model_chunks", k): fn
-        for k, fn in refs.items()
-        if recs[("model_chunks", k)].get("status") == "ok"
-    }
+    ok = [k for k in refs if recs[("model_chunks", k)].get("status") == "ok"]
+    fns = {("model_chunks", k): refs[k] for k in ok}
     calls = {}
     with contextlib.ExitStack() as stack:
         for (m, k), r in recs.items():
@@ -264,11 +260,8 @@ def _check_replicas(r: dict, replicate, model: nn.Module, x: torch.Tensor, n: in
     reps = replicate()
     want = model(x)
     err = max((rep(x) - want).abs().max().item() for rep in reps)
-    r["check"] = {
-        "ok": len(reps) == n and err <= 1e-6 * max(1.0, want.abs().max().item()),
-        "max_abs_err": err,
-        "replicas": len(reps),
-    }
+    ok = len(reps) == n and err <= 1e-6 * max(1.0, want.abs().max().item())
+    r["check"] = {"ok": ok, "max_abs_err": err, "replicas": len(reps)}
     if not r["check"]["ok"]:
         r["status"] = "check_failed"
     consume_graph(reps)

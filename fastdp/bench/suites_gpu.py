@@ -224,9 +224,8 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
     if s.profile == "tiny":
         combos = [("mlp10", "cuda"), ("mlp10", "cpu-pinned")]
     else:
-        combos = [
-            (n, "cuda") for n in ("mlp1000", "resnet50", "transformer12", "lstm", "mlp10-dict16")
-        ]
+        on_device = ("mlp1000", "resnet50", "transformer12", "lstm", "mlp10-dict16")
+        combos = [(n, "cuda") for n in on_device]
         combos += [(n, w) for n in ("resnet50", "mlp10") for w in ("cpu-pageable", "cpu-pinned")]
         if multi:  # wide8 at the gpu profile: 134M parameters, the refresh/reduce-bound case
             combos.append(("wide8", "cuda"))

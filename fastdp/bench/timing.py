@@ -129,15 +129,10 @@ class CallCounter:
     """
 
     def __init__(self, areas: dict[str, str] | None = None, model_codes: set | None = None) -> None:
-        self.count = 0
-        self.model_count = 0
         self.areas = {k: v for k, v in (areas or {}).items() if k != "_exclude"}
         self._exclude = (areas or {}).get("_exclude")
         self._model_codes = frozenset(model_codes or ())
-        self.in_area = dict.fromkeys(self.areas, 0)
-        self.by_code: dict = {}
-        self._on = False
-        self._installed = False
+        self._on = self._installed = False  # the counts themselves start in counted()
         self._lock = threading.Lock()
         self._tls = threading.local()
 
@@ -191,7 +186,7 @@ class CallCounter:
         ``model`` (inside the model's forward), ``outside`` (the rest)."""
         self.count = self.model_count = 0
         self.in_area = dict.fromkeys(self.areas, 0)
-        self.by_code = {}
+        self.by_code: dict = {}
         self._steps = steps
         self._on = True
         try:
