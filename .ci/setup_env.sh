@@ -22,7 +22,7 @@ if [ -z "${FASTDP_TORCH:-}" ]; then
 fi
 FASTDP_TRANSFORMERS="${FASTDP_TRANSFORMERS-5.24.0}"
 # hypothesis is pinned: its derandomized examples change with its version (a deeper run with the
-# newest: FASTDP_HYPOTHESIS_EXAMPLES, tests/test_scatter_properties.py).
+# newest: FASTDP_HYPOTHESIS_EXAMPLES, tests/test_*_properties.py).
 pkgs=(pytest hypothesis==6.155.2 ninja numpy setuptools wheel accelerate matplotlib
       "transformers${FASTDP_TRANSFORMERS:+==$FASTDP_TRANSFORMERS}" ${FASTDP_EXTRA_PKGS:-})
 if [ "$have_torch" != "$FASTDP_TORCH" ]; then pkgs+=("torch==$FASTDP_TORCH"); fi

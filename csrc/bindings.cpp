@@ -11,7 +11,7 @@
 #include "gather.h"
 #include "graph_task.h"
 #include "held_tensors.h"
-#include "host_copy_plan.h"
+#include "host_copy_route.h"
 #include "host_pool.h"
 #include "scatter.h"
 #include "signature.h"
@@ -54,18 +54,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &fastdp::build_info,
         "What the extension was built with: list of (key, value) string pairs.");
 
+  // See NOTE [ Replica invalidation ] in fastdp/_snapshots.py.
   py::class_<fastdp::DictSnapshot>(
       m, "DictSnapshot",
-      "The key and value objects of some dicts, held and compared by identity (see NOTE "
-      "[ Replica invalidation ] in fastdp/_snapshots.py); seen by the garbage collector.",
+      "The key and value objects of some dicts, held and compared by identity; seen by the "
+      "garbage collector.",
       py::custom_type_setup(&fastdp::dict_snapshot_type_setup))
       .def(py::init<const py::list&>(), py::arg("dicts"))
       .def("changed", &fastdp::DictSnapshot::changed,
            "Indices of the dicts whose keys or values are no longer the same objects, in order.")
       .def("__len__", &fastdp::DictSnapshot::size);
 
+  // See NOTE [ Tensors a forward changed ] in fastdp/_replica_set.py.
   m.def("held_data_ptrs", &fastdp::held_data_ptrs, py::arg("tensors"),
-        "Where each tensor's data starts, packed (NOTE [ Tensors a forward changed ]).");
+        "Where each tensor's data starts, packed.");
   m.def("held_changed", &fastdp::held_changed, py::arg("tensors"), py::arg("ptrs"),
         "Whether a tensor's data moved from held_data_ptrs(tensors) or one has a backward hook.");
 
@@ -79,30 +81,31 @@ PYBIND11_MODULE(_C, m) {
       "64-bit hash of the identity, storage, shape, strides, dtype, device and requires_grad of "
       "each tensor (not values): persistent replicas are rebuilt when it changes.");
 
+  // See NOTE [ Early reduction ] in fastdp/_reducer.py.
   m.def(
       "bucket_reduce_link",
       [](const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& replicas,
-         at::Device dest, py::object on_backward, py::object reduce_rows) {
+         at::Device dest, py::object on_backward, py::object reduce_replicas) {
         auto ob = std::make_shared<PyFn>(std::move(on_backward));
-        auto rr = std::make_shared<PyFn>(std::move(reduce_rows));
+        auto rr = std::make_shared<PyFn>(std::move(reduce_replicas));
         auto hooks = std::make_shared<fastdp::BucketHooks>();
         hooks->on_backward = [ob](bool local, int64_t fresh) {
           py::gil_scoped_acquire gil;
           ob->fn(local, fresh);
         };
-        hooks->reduce_rows = [rr](const std::vector<std::vector<at::Tensor>>& rows) {
+        hooks->reduce_replicas = [rr](const std::vector<std::vector<at::Tensor>>& per_replica) {
           py::gil_scoped_acquire gil;
-          return rr->fn(rows).cast<std::vector<at::Tensor>>();
+          return rr->fn(per_replica).cast<std::vector<at::Tensor>>();
         };
         return fastdp::bucket_reduce_link(sources, replicas, dest, std::move(hooks));
       },
       py::arg("sources"), py::arg("replicas"), py::arg("dest"), py::arg("on_backward"),
-      py::arg("reduce_rows"),
-      "One bucket's reduce node (NOTE [ Early reduction ] in fastdp/_reducer.py): the replica "
-      "tensors (row-major) become its outputs; backward calls on_backward(local, fresh) once, "
-      "sums same-device rows itself (one multi-tensor add per replica; `fresh` of them into new "
-      "tensors) or calls reduce_rows(rows), and hands the sums to the sources' gradient edges. "
-      "Returns the replica tensors.");
+      py::arg("reduce_replicas"),
+      "One bucket's reduce node: the replica tensors (replica-major) become its outputs; "
+      "backward calls on_backward(local, fresh) once, sums same-device replicas itself (one "
+      "multi-tensor add per replica; `fresh` of them into new tensors) or calls "
+      "reduce_replicas(per_replica), and hands the sums to the sources' gradient edges. Returns "
+      "the replica tensors.");
 
   m.def("graph_task_mode", &fastdp::graph_task_mode,
         "0: no backward runs on this thread; 1: a backward without inputs= (every leaf "
@@ -117,37 +120,38 @@ PYBIND11_MODULE(_C, m) {
       "Per tensor, whether the running backward accumulates into its .grad (the engine's "
       "exec_info: backward(inputs=) names it, reached or not; autograd.grad never).");
 
+  // See NOTE [ Persistent replicas ] in fastdp/_replica_set.py.
   m.def("grad_fn_use_count", &fastdp::grad_fn_use_count, py::arg("tensor"),
-        "Number of owners of tensor.grad_fn's node (0 without one); see NOTE [ Persistent "
-        "replicas ] in fastdp/_replica_set.py.");
+        "Number of owners of tensor.grad_fn's node (0 without one).");
 
   // --- scatter / gather ---------------------------------------------------------------------
   m.def(
       "scatter_chunks",
-      [](const std::vector<at::Tensor>& leaves, const std::vector<std::vector<int64_t>>& plan,
+      [](const std::vector<at::Tensor>& leaves, const std::vector<std::vector<int64_t>>& splits,
          const std::vector<int64_t>& dims, const std::vector<at::Device>& devices) {
         py::gil_scoped_release no_gil;
-        return fastdp::scatter_chunks(leaves, plan, dims, devices);
+        return fastdp::scatter_chunks(leaves, splits, dims, devices);
       },
-      py::arg("leaves"), py::arg("plan"), py::arg("dims"), py::arg("devices"),
-      "Fused chunked scatter. result[r][i] is chunk r of leaves[i] (plan[i][r] slices along "
+      py::arg("leaves"), py::arg("splits"), py::arg("dims"), py::arg("devices"),
+      "Fused chunked scatter. result[r][i] is chunk r of leaves[i] (splits[i][r] slices along "
       "dims[i]; dims: one per leaf or a single one for all) on devices[r], equal to "
-      "leaves[i].split(plan[i], dim)[r].to(devices[r]): a view when it stays on the leaf's device, "
-      "else a view into one buffer per destination device filled by one staged/peer copy. CUDA "
-      "results are ordered on each device's current stream.");
+      "leaves[i].split(splits[i], dim)[r].to(devices[r]): a view when it stays on the leaf's "
+      "device, else a view into one buffer per destination device filled by one staged/peer "
+      "copy. CUDA results are ordered on each device's current stream.");
   m.def(
       "scatter_chunks",
-      [](const std::vector<at::Tensor>& leaves, const std::vector<std::vector<int64_t>>& plan,
+      [](const std::vector<at::Tensor>& leaves, const std::vector<std::vector<int64_t>>& splits,
          int64_t dim, const std::vector<at::Device>& devices) {
         py::gil_scoped_release no_gil;
-        return fastdp::scatter_chunks(leaves, plan, {dim}, devices);
+        return fastdp::scatter_chunks(leaves, splits, {dim}, devices);
       },
-      py::arg("leaves"), py::arg("plan"), py::arg("dim"), py::arg("devices"),
+      py::arg("leaves"), py::arg("splits"), py::arg("dim"), py::arg("devices"),
       "scatter_chunks with one dim for every leaf.");
+  // See NOTE [ Input chunks written in place ] in fastdp/scatter_gather.py.
   m.def("own_version_views", &fastdp::own_version_views, py::arg("chunks"),
         "Views like chunks, each of a fresh alias of its chunk's base with a version counter of "
-        "its own: NOTE [ Input chunks written in place ] in fastdp/scatter_gather.py.");
-  m.def("split_own_versions", &fastdp::split_own_versions, py::arg("leaves"), py::arg("plan"),
+        "its own.");
+  m.def("split_own_versions", &fastdp::split_own_versions, py::arg("leaves"), py::arg("splits"),
         py::arg("dims"),
         "The one-device scatter, replica-major: chunk 0 a view of each leaf, chunks 1.. "
         "own_version_views (leaves that do not require grad), else split's chunks.");
@@ -202,7 +206,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<fastdp::FlatViews>(
       m, "FlatViews",
       "Tensors over a flat buffer at fixed element offsets, sizes and strides, each with its own "
-      "version counter and no autograd history: built once per bucket plan, called per flat.")
+      "version counter and no autograd history: built once per bucket layout, called per flat.")
       .def(py::init<std::vector<int64_t>, std::vector<std::vector<int64_t>>,
                     std::vector<std::vector<int64_t>>>(),
            py::arg("offsets"), py::arg("sizes"), py::arg("strides"))
@@ -212,7 +216,8 @@ PYBIND11_MODULE(_C, m) {
             py::gil_scoped_release no_gil;
             return self(flat);
           },
-          py::arg("flat"), "The tensors on `flat` (1-D, contiguous, of the plan's dtype).");
+          py::arg("flat"), "The tensors on `flat` (1-D, contiguous, of the layout's dtype).");
+  // `capturing`: see NOTE [ Pinned blocks and graphs ].
   py::class_<fastdp::HostBlockPool>(
       m, "_HostBlockPool",
       "Tests only: the pinned pool's bookkeeping (size classes, free lists, capacity, waits) over "
@@ -221,7 +226,7 @@ PYBIND11_MODULE(_C, m) {
       .def("acquire", &fastdp::HostBlockPool::acquire, py::arg("bytes"),
            py::arg("capturing") = false,
            "A lent block's handle, 0 when the pool cannot serve the request; `capturing`: as "
-           "while a CUDA graph is captured (NOTE [ Pinned blocks and graphs ]).")
+           "while a CUDA graph is captured.")
       .def("size", &fastdp::HostBlockPool::size, py::arg("block"))
       .def("record", &fastdp::HostBlockPool::record, py::arg("block"),
            "A pending event on the lent block; returns its id.")
@@ -236,14 +241,15 @@ PYBIND11_MODULE(_C, m) {
       .def("set_queries_throw", &fastdp::HostBlockPool::set_queries_throw, py::arg("on"),
            "Event queries and waits throw from now on (as after a device fault).")
       .def("queries", &fastdp::HostBlockPool::queries, "Event queries and waits so far.");
+  // See NOTE [ Stream order of host copies ] in cuda/scatter_host_cuda.cu.
   m.def(
-      "_host_copy_plan",
+      "_host_copy_route",
       [](const std::vector<int64_t>& sizes, const std::vector<int64_t>& src_strides,
          const std::vector<int64_t>& dst_strides, int64_t itemsize, int64_t max_pitch) {
         TORCH_CHECK(sizes.size() == src_strides.size() && sizes.size() == dst_strides.size(),
-                    "fastdp._host_copy_plan: expected one stride per size");
-        const fastdp::HostCopyPlan p =
-            fastdp::plan_host_copy(sizes, src_strides, dst_strides, itemsize, max_pitch);
+                    "fastdp._host_copy_route: expected one stride per size");
+        const fastdp::HostCopyRoute p =
+            fastdp::route_host_copy(sizes, src_strides, dst_strides, itemsize, max_pitch);
         static const char* kinds[] = {"dense", "2d", "rows", "span"};
         py::dict d;
         d["kind"] = kinds[p.kind];
@@ -259,7 +265,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("sizes"), py::arg("src_strides"), py::arg("dst_strides"), py::arg("itemsize"),
       py::arg("max_pitch"),
-      "Diagnostics: how a pinned chunk is copied to a GPU (NOTE [ Stream order of host copies ]).");
+      "Diagnostics: how a pinned chunk is copied to a GPU.");
   m.def(
       "_stage_rows",
       [](const std::vector<int64_t>& sizes, const std::vector<int64_t>& dst_strides,

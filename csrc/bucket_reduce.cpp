@@ -87,20 +87,20 @@ bool plain_loop_ok(const at::Tensor& sum, const at::Tensor& g) {
   return a + bytes <= b || b + bytes <= a;
 }
 
-// sums[i] += rows[j][i] for j >= first[i] (1 or 2), in that order per element. On a GPU one
-// multi-tensor kernel per row. On the CPU each tensor gets every row before the next (it stays in
-// cache), by a plain loop for float and double, add_ otherwise: add_'s dispatch was most of a
-// bucket of small tensors (mlp1000, 4 replicas: 6000 sums, 5.7 -> 2.5 ms a step; mlp100: 0.23 ->
-// 0.05 ms).
-void add_rows_into(variable_list& sums, const std::vector<variable_list>& rows,
-                   const std::vector<uint8_t>& first) {
+// sums[i] += per_replica[j][i] for j >= first[i] (1 or 2), in that order per element. On a GPU
+// one multi-tensor kernel per replica. On the CPU each tensor gets every replica before the next
+// (it stays in cache), by a plain loop for float and double, add_ otherwise: add_'s dispatch was
+// most of a bucket of small tensors (mlp1000, 4 replicas: 6000 sums, 5.7 -> 2.5 ms a step;
+// mlp100: 0.23 -> 0.05 ms).
+void add_replicas_into(variable_list& sums, const std::vector<variable_list>& per_replica,
+                       const std::vector<uint8_t>& first) {
   if (!sums[0].is_cpu()) {
-    for (size_t j = 1; j < rows.size(); ++j) {
+    for (size_t j = 1; j < per_replica.size(); ++j) {
       variable_list into, from;
       for (size_t i = 0; i < sums.size(); ++i) {
         if (j < first[i]) continue;
         into.push_back(sums[i]);
-        from.push_back(rows[j][i]);
+        from.push_back(per_replica[j][i]);
       }
       if (!into.empty()) at::_foreach_add_(into, from);
     }
@@ -109,8 +109,8 @@ void add_rows_into(variable_list& sums, const std::vector<variable_list>& rows,
   for (size_t i = 0; i < sums.size(); ++i) {
     at::Tensor& sum = sums[i];
     const bool floating = sum.scalar_type() == at::kFloat || sum.scalar_type() == at::kDouble;
-    for (size_t j = first[i]; j < rows.size(); ++j) {
-      const at::Tensor& g = rows[j][i];
+    for (size_t j = first[i]; j < per_replica.size(); ++j) {
+      const at::Tensor& g = per_replica[j][i];
       if (!floating || !plain_loop_ok(sum, g)) {
         sum.add_(g);
         continue;
@@ -125,24 +125,27 @@ void add_rows_into(variable_list& sums, const std::vector<variable_list>& rows,
   }
 }
 
-// Per gradient of row 0: 1 where the sum goes into it (NOTE [ Summing in place ]), 2 where it
+// Per gradient of replica 0: 1 where the sum goes into it (NOTE [ Summing in place ]), 2 where it
 // goes into a fresh g0 + g1 (always under create_graph, where the sum must be differentiable).
-std::vector<uint8_t> first_rows(const variable_list& row0) {
+std::vector<uint8_t> first_added(const variable_list& replica0) {
   const bool graph = at::GradMode::is_enabled();
-  std::vector<uint8_t> first(row0.size());
-  for (size_t i = 0; i < row0.size(); ++i) first[i] = !graph && can_sum_into(row0[i]) ? 1 : 2;
+  std::vector<uint8_t> first(replica0.size());
+  for (size_t i = 0; i < replica0.size(); ++i) {
+    first[i] = !graph && can_sum_into(replica0[i]) ? 1 : 2;
+  }
   return first;
 }
 
-// Each source's gradient summed over the rows (two or more, all on the destination, strided), in
-// row order per element, as `first` says (first_rows).
-variable_list sum_rows(std::vector<variable_list>& rows, const std::vector<uint8_t>& first) {
-  variable_list sums = std::move(rows[0]);
+// Each source's gradient summed over the replicas (two or more, all on the destination, strided),
+// in replica order per element, as `first` says (first_added).
+variable_list sum_replicas(std::vector<variable_list>& per_replica,
+                           const std::vector<uint8_t>& first) {
+  variable_list sums = std::move(per_replica[0]);
   variable_list shared, second;
   for (size_t i = 0; i < sums.size(); ++i) {
     if (first[i] == 1) continue;
     shared.push_back(sums[i]);
-    second.push_back(rows[1][i]);
+    second.push_back(per_replica[1][i]);
   }
   if (!shared.empty()) {
     variable_list fresh = at::_foreach_add(shared, second);  // never aliases an incoming gradient
@@ -150,7 +153,7 @@ variable_list sum_rows(std::vector<variable_list>& rows, const std::vector<uint8
       if (first[i] == 2) sums[i] = std::move(fresh[k++]);
     }
   }
-  add_rows_into(sums, rows, first);
+  add_replicas_into(sums, per_replica, first);
   return sums;
 }
 
@@ -174,29 +177,29 @@ struct BucketReduceFn : public torch::autograd::Function<BucketReduceFn> {
     for (int64_t k = 0; k < n; ++k) {
       if (ctx->needs_input_grad(k)) needed.push_back(k);  // indexes variable inputs only
     }
-    std::vector<variable_list> rows(r);
+    std::vector<variable_list> per_replica(r);
     bool local = true;
     for (int64_t j = 0; j < r; ++j) {
-      rows[j].reserve(needed.size());
+      per_replica[j].reserve(needed.size());
       for (int64_t k : needed) {
         at::Tensor g = std::move(grads[j * n + k]);  // sole owner where autograd made it
         if (!g.defined()) g = at::zeros(state->sizes[k], state->like[k].options());
         local = local && g.device() == state->dest && g.layout() == at::kStrided;
-        rows[j].push_back(std::move(g));
+        per_replica[j].push_back(std::move(g));
       }
     }
-    // One row: reduce_rows copies it, as the Python node does; a sparse gradient: reduce_rows
-    // sums it as DataParallel does (`_densify_mixed` in fastdp/_reducer.py).
+    // One replica: reduce_replicas copies it, as the Python node does; a sparse gradient:
+    // reduce_replicas sums it as DataParallel does (`_densify_mixed` in fastdp/_reducer.py).
     local = local && r > 1 && !needed.empty();
     std::vector<uint8_t> first;
-    if (local) first = first_rows(rows[0]);
+    if (local) first = first_added(per_replica[0]);
     state->hooks->on_backward(local, std::count(first.begin(), first.end(), 2));
     variable_list sums;
     if (needed.empty()) {
     } else if (!local) {
-      sums = state->hooks->reduce_rows(rows);
+      sums = state->hooks->reduce_replicas(per_replica);
     } else {
-      sums = sum_rows(rows, first);
+      sums = sum_replicas(per_replica, first);
     }
     variable_list out(n + 1);  // [args (no gradient), sources...]
     for (size_t i = 0; i < needed.size(); ++i) out[needed[i] + 1] = sums[i];

@@ -43,8 +43,8 @@ at::Tensor empty_cat_output(const std::vector<at::Tensor>& tensors, int64_t dim,
                             at::Device destination, const char* op);
 
 // Tensors over one flat buffer at fixed element offsets, sizes and strides, each with its own
-// version counter and no autograd history (view_into's). Built once per bucket plan; called once
-// per flat (a dense buffer of the dtype the plan was made for, large enough for every tensor).
+// version counter and no autograd history (view_into's). Built once per bucket layout; called once
+// per flat (a dense buffer of the dtype the layout was made for, large enough for every tensor).
 class FASTDP_PY_HIDDEN FlatViews {
  public:
   FlatViews(std::vector<int64_t> offsets, std::vector<std::vector<int64_t>> sizes,

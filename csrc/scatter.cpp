@@ -11,14 +11,14 @@
 namespace fastdp {
 
 std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor>& leaves,
-                                                    const std::vector<std::vector<int64_t>>& plan,
+                                                    const std::vector<std::vector<int64_t>>& splits,
                                                     const std::vector<int64_t>& dims,
                                                     const std::vector<at::Device>& devices) {
   constexpr const char* op = "fastdp.scatter_chunks";
-  TORCH_CHECK(plan.size() == leaves.size(), op, ": expected one plan row per leaf (",
-              leaves.size(), "), got ", plan.size());
-  const size_t replicas = plan.empty() ? 0 : plan[0].size();
-  TORCH_CHECK(replicas <= devices.size(), op, ": the plan has ", replicas,
+  TORCH_CHECK(splits.size() == leaves.size(), op, ": expected one split per leaf (",
+              leaves.size(), "), got ", splits.size());
+  const size_t replicas = splits.empty() ? 0 : splits[0].size();
+  TORCH_CHECK(replicas <= devices.size(), op, ": the splits have ", replicas,
               " chunks per leaf but only ", devices.size(), " devices were given");
   TORCH_CHECK(dims.size() == 1 || dims.size() == leaves.size(), op,
               ": expected one dim for all leaves or one per leaf (", leaves.size(), "), got ",
@@ -32,10 +32,10 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
     TORCH_CHECK(leaf.dim() > 0, op, ": leaf ", i, " is 0-dimensional and cannot be chunked");
     const int64_t d = at::maybe_wrap_dim(dims[dims.size() == 1 ? 0 : i], leaf.dim());
     wrapped[i] = d;
-    TORCH_CHECK(plan[i].size() == replicas, op, ": expected ", replicas, " chunk sizes for leaf ",
-                i, ", got ", plan[i].size());
+    TORCH_CHECK(splits[i].size() == replicas, op, ": expected ", replicas, " chunk sizes for leaf ",
+                i, ", got ", splits[i].size());
     int64_t total = 0;
-    for (int64_t n : plan[i]) {
+    for (int64_t n : splits[i]) {
       TORCH_CHECK(n >= 0, op, ": chunk sizes must be non-negative, got ", n, " for leaf ", i);
       total += n;
     }
@@ -49,9 +49,9 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
     any_cuda = any_cuda || devices[r].is_cuda();
   }
   c10::NoGradGuard no_grad;
-  if (!any_cuda) return scatter_cpu(leaves, plan, wrapped);
+  if (!any_cuda) return scatter_cpu(leaves, splits, wrapped);
 #ifdef WITH_CUDA
-  return scatter_cuda(leaves, plan, wrapped,
+  return scatter_cuda(leaves, splits, wrapped,
                       std::vector<at::Device>(devices.begin(), devices.begin() + replicas));
 #else
   TORCH_CHECK(false, op, ": CUDA tensors or devices given, but fastdp was built without CUDA");
@@ -71,22 +71,22 @@ std::vector<at::Tensor> own_version_views(const std::vector<at::Tensor>& chunks)
 }
 
 std::vector<at::Tensor> split_own_versions(const std::vector<at::Tensor>& leaves,
-                                           const std::vector<std::vector<int64_t>>& plan,
+                                           const std::vector<std::vector<int64_t>>& splits,
                                            const std::vector<int64_t>& dims) {
   constexpr const char* op = "fastdp.split_own_versions";
   const size_t n = leaves.size();
-  TORCH_CHECK(plan.size() == n && (dims.size() == 1 || dims.size() == n), op,
-              ": expected one plan row per leaf and one dim per leaf or for all");
-  const size_t replicas = plan.empty() ? 0 : plan[0].size();
+  TORCH_CHECK(splits.size() == n && (dims.size() == 1 || dims.size() == n), op,
+              ": expected one split per leaf and one dim per leaf or for all");
+  const size_t replicas = splits.empty() ? 0 : splits[0].size();
   std::vector<at::Tensor> out(replicas * n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& leaf = leaves[i];
-    TORCH_CHECK(plan[i].size() == replicas, op, ": expected ", replicas, " chunk sizes for leaf ",
-                i, ", got ", plan[i].size());
+    TORCH_CHECK(splits[i].size() == replicas, op, ": expected ", replicas, " chunk sizes for leaf ",
+                i, ", got ", splits[i].size());
     const int64_t d = at::maybe_wrap_dim(dims[dims.size() == 1 ? 0 : i], leaf.dim());
     const bool own = !leaf.requires_grad() && !leaf.is_inference() && !leaf.is_conj() &&
                      !leaf.is_neg();
-    auto chunks = leaf.split_with_sizes(plan[i], d);
+    auto chunks = leaf.split_with_sizes(splits[i], d);
     for (size_t r = 0; r < replicas; ++r) {
       if (own && r > 0) {
         chunks[r].unsafeGetTensorImpl()->set_version_counter(c10::VariableVersion(0));

@@ -8,16 +8,16 @@
 
 namespace fastdp {
 
-// result[r][i] is chunk r of leaves[i] on devices[r]: plan[i][r] slices along dims[i] (dims holds
+// result[r][i] is chunk r of leaves[i] on devices[r]: splits[i][r] slices along dims[i] (dims holds
 // one dim per leaf, or one for all; negative ones are normalised per leaf), equal to
-// leaves[i].split(plan[i], dims[i])[r].to(devices[r]) in values, sizes, strides and dtype.
+// leaves[i].split(splits[i], dims[i])[r].to(devices[r]) in values, sizes, strides and dtype.
 // A chunk whose device is its leaf's device is a view of the leaf (as torch); the others are views
 // into one fresh buffer per destination and source device (regions kRegionAlign-aligned, shared
 // storage). CUDA leaves must be ready on their device's current stream; CUDA results are ready on
-// each destination's current stream (no host sync). Every plan row has the same R <=
+// each destination's current stream (no host sync). Every leaf's split has the same R <=
 // devices.size() entries; the result has R lists. Results carry no autograd history.
 std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor>& leaves,
-                                                    const std::vector<std::vector<int64_t>>& plan,
+                                                    const std::vector<std::vector<int64_t>>& splits,
                                                     const std::vector<int64_t>& dims,
                                                     const std::vector<at::Device>& devices);
 
@@ -29,13 +29,13 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
 std::vector<at::Tensor> own_version_views(const std::vector<at::Tensor>& chunks);
 
 // The scatter of leaves that all stay on their device, replica-major: result[r * n + i] is chunk r
-// of leaves[i] (n leaves; plan[i][r] rows along dims[i], negative dims wrapped), the view
-// leaves[i].split_with_sizes(plan[i], dims[i])[r]. Chunks 1.. of a leaf that neither requires grad
-// nor is an inference, conj or neg tensor get a version counter of their own (shared with no
+// of leaves[i] (n leaves; splits[i][r] rows along dims[i], negative dims wrapped), the view
+// leaves[i].split_with_sizes(splits[i], dims[i])[r]. Chunks 1.. of a leaf that neither requires
+// grad nor is an inference, conj or neg tensor get a version counter of their own (shared with no
 // other tensor), so a write through one bumps no other tensor's version; chunk 0 keeps the
 // leaf's. See NOTE [ Input chunks written in place ] in fastdp/scatter_gather.py.
 std::vector<at::Tensor> split_own_versions(const std::vector<at::Tensor>& leaves,
-                                           const std::vector<std::vector<int64_t>>& plan,
+                                           const std::vector<std::vector<int64_t>>& splits,
                                            const std::vector<int64_t>& dims);
 
 }  // namespace fastdp

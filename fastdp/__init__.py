@@ -10,6 +10,7 @@ from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.distributed import shard_batch, wrap
 from fastdp.install import install, installed, uninstall
 from fastdp.scatter_gather import Scattered
+from fastdp.zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
     "FastDataParallel",
@@ -25,6 +26,7 @@ __all__ = [
     "install",
     "uninstall",
     "installed",
+    "ZeroRedundancyOptimizer",
 ]
 
 

@@ -51,8 +51,8 @@ def flattenable(t: torch.Tensor) -> bool:
 # on that flat's storage with version counters of their own and the originals' strides where
 # those are dense. A refresh packs a bucket's originals into a staging flat on the source device
 # (one multi-tensor copy) and broadcasts it into every such flat (one transport call per bucket);
-# with every copy row on the source device, no staging: one multi-tensor copy per row. Tensors
-# that cannot be flattened (sparse, quantized) form buckets of one.
+# with every copy replica on the source device, no staging: one multi-tensor copy per replica.
+# Tensors that cannot be flattened (sparse, quantized) form buckets of one.
 def assign_buckets(tensors: Sequence[torch.Tensor], cap_bytes: float) -> list[list[int]]:
     """Indices of ``tensors`` per bucket, in the order they are filled (NOTE [ Buckets ])."""
     first_cap = min(FIRST_BUCKET_BYTES, cap_bytes)
@@ -114,21 +114,21 @@ def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 
 class Layout:
-    """Persistent copies of ``tensors`` for the rows ``copy_rows`` of ``devices`` (row 0 is the
-    source device), grouped into buckets (NOTE [ Buckets ])."""
+    """Persistent copies of ``tensors`` for the replicas ``copy_replicas`` of ``devices`` (replica 0
+    is on the source device), grouped into buckets (NOTE [ Buckets ])."""
 
     def __init__(
         self,
         tensors: Sequence[torch.Tensor],
         devices: Sequence[torch.device],
-        copy_rows: Sequence[int],
+        copy_replicas: Sequence[int],
         cap_bytes: float,
         buckets: list[list[int]] | None = None,
         *,
         allocate: bool = True,
     ) -> None:
         self.devices = list(devices)
-        self.copy_rows = list(copy_rows)
+        self.copy_replicas = list(copy_replicas)
         self.buckets = assign_buckets(tensors, cap_bytes) if buckets is None else buckets
         self.transport = transport_for(self.devices)
         self.shapes = [t.shape for t in tensors]
@@ -138,14 +138,14 @@ class Layout:
         self.bytes = [sum(nbytes(tensors[i]) for i in b) for b in self.buckets]
         src = self.devices[0]
         # NOTE [ Buckets ]: staging only where a copy leaves the source device
-        self.direct = all(self.devices[j] == src for j in self.copy_rows)
+        self.direct = all(self.devices[j] == src for j in self.copy_replicas)
         self.view_makers = [self._view_maker(b, k) for k, b in enumerate(self.buckets)]
         if allocate:
             self._allocate(tensors)
 
     def with_storage(self, tensors: Sequence[torch.Tensor]) -> Layout:
-        """A layout with this one's plan (devices, buckets, geometry) and storage of its own,
-        for tensors of the geometry it was planned for; builds no plan."""
+        """A layout with this one's devices, buckets and geometry and storage of its own, for
+        tensors of the geometry it was built for; assigns no bucket again."""
         new = copy.copy(self)
         new._allocate(tensors)
         return new
@@ -172,25 +172,28 @@ class Layout:
                 for k, (s, b) in enumerate(zip(self.staging, self.buckets))
             ]
             self.flats: dict[int, list[torch.Tensor]] = {}
-            self.rows: dict[int, list[torch.Tensor | None]] = {}
-            for j in self.copy_rows:
+            self.per_replica: dict[int, list[torch.Tensor | None]] = {}
+            for j in self.copy_replicas:
                 flats = [
                     self._storage(tensors, b, k, self.devices[j])
                     for k, b in enumerate(self.buckets)
                 ]
-                row: list[torch.Tensor | None] = [None] * len(tensors)
+                rep: list[torch.Tensor | None] = [None] * len(tensors)
                 for k, (f, b) in enumerate(zip(flats, self.buckets)):
                     for i, t in zip(b, self._views(f, tensors, b, k, alias=True)):
-                        row[i] = t
-                self.flats[j], self.rows[j] = flats, row
-            self.row_views = (
-                {j: [[self.rows[j][i] for i in b] for b in self.buckets] for j in self.copy_rows}
+                        rep[i] = t
+                self.flats[j], self.per_replica[j] = flats, rep
+            self.replica_views = (
+                {
+                    j: [[self.per_replica[j][i] for i in b] for b in self.buckets]
+                    for j in self.copy_replicas
+                }
                 if self.direct
                 else {}
             )
 
     def add_memory(self, out: dict[str, dict[str, int]]) -> None:
-        """Add the bytes this layout holds to ``out[device]["replicas"]`` (the copy rows' flats)
+        """Add the bytes this layout holds to ``out[device]["replicas"]`` (the copy replicas' flats)
         and ``out[device]["staging"]``."""
         for kind, flats in [
             ("staging", self.staging),
@@ -226,17 +229,17 @@ class Layout:
         return out
 
     def refresh(self, tensors: Sequence[torch.Tensor], stats: dict[str, int] | None) -> None:
-        """Copy ``tensors`` (the originals, on the source device) into every copy row: per
+        """Copy ``tensors`` (the originals, on the source device) into every copy replica: per
         bucket one pack and one broadcast. No autograd."""
-        if not self.copy_rows:
+        if not self.copy_replicas:
             return
         with torch.no_grad():
             if self.direct:
                 for k, b in enumerate(self.buckets):
                     srcs = [tensors[i] for i in b]
-                    for j in self.copy_rows:
+                    for j in self.copy_replicas:
                         if self.flat[k]:
-                            torch._foreach_copy_(self.row_views[j][k], srcs)
+                            torch._foreach_copy_(self.replica_views[j][k], srcs)
                         else:
                             self.flats[j][k].copy_(srcs[0])
                     count(stats, "broadcast", self.bytes[k])
@@ -247,7 +250,7 @@ class Layout:
                 else:
                     self.staging[k].copy_(tensors[b[0]])
                 self.transport.broadcast(
-                    self.staging[k], [self.flats[j][k] for j in self.copy_rows]
+                    self.staging[k], [self.flats[j][k] for j in self.copy_replicas]
                 )
                 count(stats, "broadcast", self.bytes[k])
 

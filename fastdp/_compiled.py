@@ -131,7 +131,7 @@ def budget_for(num_replicas: int) -> None:
 # functorch's ``force_non_lazy_backward_lowering`` around the in-order forwards, so each backward
 # is compiled with its forward on the caller's thread (NOTE [ Compiled replicas run in order ]; a
 # forward never run backward still pays for its backward's compile: the price of no lock in
-# backward). Only for sets with copy rows (replicas on other devices, or CPU replicas under
+# backward). Only for sets with copy replicas (replicas on other devices, or CPU replicas under
 # FASTDP_CPU_DISTINCT=1): replicas sharing the originals' device have one autograd thread, so lazy
 # is safe there. Set and restored as ``cfg.patch`` does (prior value back), without the class
 # ``patch`` builds per call, and not at all where it is on already.
@@ -158,8 +158,8 @@ def mark_static(tensors: Any) -> None:
     """Mark persistent replica tensors as static graph inputs: they keep their addresses, so a
     CUDA graph replay does not copy them ("unguarded": a changed address, after a renewal or a
     rebuild, re-records once; NOTE [ Compiled replicas run in order ])."""
-    for row in tensors:
-        for t in row:
+    for rep in tensors:
+        for t in rep:
             t._dynamo_static_input_type = "unguarded"
 
 

@@ -38,18 +38,18 @@ def vector_if_scalars(
 
 
 class Scatter(Function):
-    """``Scatter.apply(devices, plan, dims, *leaves)`` -> replica-major chunks.
+    """``Scatter.apply(devices, splits, dims, *leaves)`` -> replica-major chunks.
 
     Output ``r * len(leaves) + i`` is chunk ``r`` of leaf ``i`` on ``devices[r]``.
     Backward gathers each leaf's chunk gradients back onto the leaf's device.
     """
 
     @staticmethod
-    def forward(ctx, devices, plan, dims, *leaves):
+    def forward(ctx, devices, splits, dims, *leaves):
         ctx.dims = dims
         ctx.sources = [t.device for t in leaves]
         ctx.n = len(leaves)
-        return tuple(chain.from_iterable(comm.scatter_leaves(leaves, devices, plan, dims)))
+        return tuple(chain.from_iterable(comm.scatter_leaves(leaves, devices, splits, dims)))
 
     @staticmethod
     def backward(ctx, *grads):

@@ -25,41 +25,43 @@ from fastdp._transports import count, transport_for
 # (``persistent=False``'s ``Broadcast`` backward). Per bucket it packs each replica's gradients
 # into one flat, sums the flats already on the destination, reduces the rest with one transport
 # call (``fastdp/_transports.py``) and returns views of the sum. Under ``create_graph=True`` the
-# sum is made of differentiable ops; when every row is on the destination (CPU replicas, repeated
-# GPU ids) one multi-tensor add per replica needs no pack.
+# sum is made of differentiable ops; when every replica's tensors are on the destination (CPU
+# replicas, repeated GPU ids) one multi-tensor add per replica needs no pack.
 def reduce_add(
-    rows: Sequence[Sequence[torch.Tensor]],
+    per_replica: Sequence[Sequence[torch.Tensor]],
     dest: torch.device,
     cap_bytes: float = float("inf"),
     stats: dict[str, int] | None = None,
     nbytes: int | None = None,
 ) -> list[torch.Tensor]:
-    """``result[k] = rows[0][k] + rows[1][k] + ...`` on ``dest``: the package's one sum.
+    """``result[k] = per_replica[0][k] + per_replica[1][k] + ...`` on ``dest``: the package's
+    one sum.
 
-    Rows are replicas, in order; each row lives on one device. Sums run in row order (the
-    transport's order between distinct GPUs). Results never alias an input. ``nbytes``: the
-    rows' size when the caller knows it (one bucket), for ``stats``.
+    ``per_replica``: one list of tensors per replica, in order, each on one device. Sums run in
+    replica order (the transport's order between distinct GPUs). Results never alias an input.
+    ``nbytes``: the inputs' size when the caller knows it (one bucket), for ``stats``.
     """
-    first = rows[0]
+    first = per_replica[0]
     if not first:
         return []
-    transport_for([dest]).order_reads(rows, dest)  # NOTE [ Streams of a reduce across devices ]
-    if len(rows) == 1:
+    # see NOTE [ Streams of a reduce across devices ]
+    transport_for([dest]).order_reads(per_replica, dest)
+    if len(per_replica) == 1:
         return [g.to(dest, copy=True) for g in first]
-    if torch.is_grad_enabled() and any(g.requires_grad for row in rows for g in row):
-        return _sum_each(rows, dest)  # differentiable: create_graph=True
+    if torch.is_grad_enabled() and any(g.requires_grad for rep in per_replica for g in rep):
+        return _sum_each(per_replica, dest)  # differentiable: create_graph=True
     with torch.no_grad():
-        if all(row[0].device == dest for row in rows) and _all_strided(first):
-            # a dense first row: foreach's slow path adds later sparse rows into it (dense)
-            out = list(torch._foreach_add(list(first), list(rows[1])))
-            for row in rows[2:]:
-                torch._foreach_add_(out, list(row))
+        if all(rep[0].device == dest for rep in per_replica) and _all_strided(first):
+            # dense replica 0: foreach's slow path adds later replicas' sparse ones into it (dense)
+            out = list(torch._foreach_add(list(first), list(per_replica[1])))
+            for rep in per_replica[2:]:
+                torch._foreach_add_(out, list(rep))
             if stats is not None:
                 count(stats, "reduce", sum(map(tensor_bytes, first)) if nbytes is None else nbytes)
             return out
         results: list[Any] = [None] * len(first)
         for bucket in assign_buckets(first, cap_bytes):
-            sums = _reduce_bucket([[row[i] for i in bucket] for row in rows], dest)
+            sums = _reduce_bucket([[rep[i] for i in bucket] for rep in per_replica], dest)
             for i, s in zip(bucket, sums):
                 results[i] = s
             if stats is not None:
@@ -67,11 +69,13 @@ def reduce_add(
         return results
 
 
-def _sum_each(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
-    """Tensor by tensor, in row order: differentiable ops, and what cannot be flattened."""
+def _sum_each(
+    per_replica: Sequence[Sequence[torch.Tensor]], dest: torch.device
+) -> list[torch.Tensor]:
+    """Tensor by tensor, in replica order: differentiable ops, and what cannot be flattened."""
     out = []
-    for k in range(len(rows[0])):
-        column = _densify_mixed([row[k] for row in rows])
+    for k in range(len(per_replica[0])):
+        column = _densify_mixed([rep[k] for rep in per_replica])
         total = column[0].to(dest, copy=True)
         for g in column[1:]:
             total = total + g.to(dest)
@@ -82,8 +86,8 @@ def _sum_each(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> lis
 # Sparse gradients are summed as torch's ``comm.reduce_add_coalesced`` sums them for
 # DataParallel: all sparse (an embedding with ``sparse=True`` that every replica used), a sparse
 # sum; a mix of layouts (a replica that skipped it gets dense zeros), each made dense first, then a
-# dense sum. Only a dense first row can take the multi-tensor adds as they are: a dense sum adds a
-# sparse gradient into itself, a sparse one cannot take a dense one.
+# dense sum. Only a dense tensor of replica 0 can take the multi-tensor adds as they are: a dense
+# sum adds a sparse gradient into itself, a sparse one cannot take a dense one.
 def _densify_mixed(column: list[torch.Tensor]) -> list[torch.Tensor]:
     """One tensor's gradients over the replicas, all sparse or all dense (see above)."""
     layouts = {g.layout for g in column}
@@ -96,12 +100,12 @@ def _all_strided(tensors: Sequence[torch.Tensor]) -> bool:
     return all(g.layout == torch.strided for g in tensors)
 
 
-def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
-    """One bucket whose rows are not all on ``dest``: one flatten per row, the rows on ``dest``
-    summed there, then one transport reduce of that sum and the other rows' flats."""
-    if {g.layout for row in rows for g in row} != {torch.strided}:  # one call, not one per g
-        return _reduce_sparse_bucket(rows, dest)
-    flats = [torch.cat([g.reshape(-1) for g in row]) for row in rows]
+def _reduce_bucket(per_replica: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
+    """One bucket whose replicas are not all on ``dest``: one flatten per replica, those on
+    ``dest`` summed there, then one transport reduce of that sum and the other replicas' flats."""
+    if {g.layout for rep in per_replica for g in rep} != {torch.strided}:  # one call, not one per g
+        return _reduce_sparse_bucket(per_replica, dest)
+    flats = [torch.cat([g.reshape(-1) for g in rep]) for rep in per_replica]
     local = [f for f in flats if f.device == dest]
     parts = [f for f in flats if f.device != dest]
     if local:
@@ -111,26 +115,31 @@ def _reduce_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[t
         parts.insert(0, total)
     total = transport_for([dest]).reduce(parts, dest)
     return [
-        piece.view(g.shape) for piece, g in zip(total.split([g.numel() for g in rows[0]]), rows[0])
+        piece.view(g.shape)
+        for piece, g in zip(total.split([g.numel() for g in per_replica[0]]), per_replica[0])
     ]
 
 
-def _reduce_sparse_bucket(rows: list[list[torch.Tensor]], dest: torch.device) -> list[torch.Tensor]:
+def _reduce_sparse_bucket(
+    per_replica: list[list[torch.Tensor]], dest: torch.device
+) -> list[torch.Tensor]:
     """A bucket with sparse gradients: the all-sparse columns summed one by one (sparse), the
     others (mixed ones made dense) as a dense bucket (see ``_densify_mixed``)."""
     sparse = [
-        k for k in range(len(rows[0])) if not any(row[k].layout == torch.strided for row in rows)
+        k
+        for k in range(len(per_replica[0]))
+        if not any(rep[k].layout == torch.strided for rep in per_replica)
     ]
-    results: list[Any] = [None] * len(rows[0])
-    for k, total in zip(sparse, _sum_each([[row[k] for k in sparse] for row in rows], dest)):
+    results: list[Any] = [None] * len(per_replica[0])
+    for k, total in zip(sparse, _sum_each([[rep[k] for k in sparse] for rep in per_replica], dest)):
         results[k] = total
-    dense = sorted(set(range(len(rows[0]))) - set(sparse))
+    dense = sorted(set(range(len(per_replica[0]))) - set(sparse))
     if dense:
-        column_rows = [
-            [row[k] if row[k].layout == torch.strided else row[k].to_dense() for k in dense]
-            for row in rows
+        dense_per_replica = [
+            [rep[k] if rep[k].layout == torch.strided else rep[k].to_dense() for k in dense]
+            for rep in per_replica
         ]
-        for k, total in zip(dense, _reduce_bucket(column_rows, dest)):
+        for k, total in zip(dense, _reduce_bucket(dense_per_replica, dest)):
             results[k] = total
     return results
 
@@ -244,7 +253,7 @@ class BucketLink:
         self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
 
     def ran(self, local: bool, fresh: int) -> None:
-        """The node's backward starts (the C++ node sums ``local`` rows itself, ``fresh`` of
+        """The node's backward starts (the C++ node sums ``local`` replicas itself, ``fresh`` of
         them into new tensors: NOTE [ Summing in place ] in csrc/bucket_reduce.cpp). Called
         from the node's backward with the GIL taken for it: no call it can spare."""
         self.pending.value = False
@@ -256,8 +265,8 @@ class BucketLink:
             stats["bytes_reduced"] += self.nbytes
             stats["sums_out_of_place"] += fresh
 
-    def reduce_rows(self, rows: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-        return reduce_add(rows, self.dest, stats=self.stats, nbytes=self.nbytes)
+    def reduce_replicas(self, per_replica: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        return reduce_add(per_replica, self.dest, stats=self.stats, nbytes=self.nbytes)
 
 
 # NOTE [ Early reduction ]
@@ -271,17 +280,20 @@ class BucketLink:
 # C++ (``csrc/bucket_reduce.cpp``, made once per tensor set, one Python call per bucket); without
 # it, ``BucketReduce``, made every step.
 class BucketReduce(Function):
-    """``BucketReduce.apply(link, rows, anchor, *sources)`` -> ``rows`` flattened row-major: the
+    """``BucketReduce.apply(link, per_replica, anchor, *sources)`` -> ``per_replica`` flattened: the
     persistent replica tensors themselves become outputs of this node; backward sums them onto
     the sources with ``reduce_add``.
     ``anchor``: the set's ``UnreachedAnchor`` output, None for a one-bucket set."""
 
     @staticmethod
-    def forward(ctx, link, rows, anchor, *sources):
+    def forward(ctx, link, per_replica, anchor, *sources):
         ctx.link = link
-        outs = [t for row in rows for t in row]
+        outs = [t for rep in per_replica for t in rep]
         frozen = [
-            row[k] for k in range(len(sources)) if not ctx.needs_input_grad[3 + k] for row in rows
+            rep[k]
+            for k in range(len(sources))
+            if not ctx.needs_input_grad[3 + k]
+            for rep in per_replica
         ]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -295,7 +307,7 @@ class BucketReduce(Function):
         if len(link.group.sources) > 1:
             link.group.mark(link.index)
         n = link.n
-        sums = link.reduce_rows([grads[j : j + n] for j in range(0, len(grads), n)])
+        sums = link.reduce_replicas([grads[j : j + n] for j in range(0, len(grads), n)])
         return (None, None, ANCHOR_GRAD if ctx.needs_input_grad[2] else None, *sums)
 
 
@@ -336,7 +348,7 @@ class UnreachedAnchor(Function):
 
 def link_bucket(
     link: BucketLink,
-    rows: Sequence[Sequence[torch.Tensor]],
+    per_replica: Sequence[Sequence[torch.Tensor]],
     sources: Sequence[torch.Tensor],
     native: bool = False,
     anchor: torch.Tensor | None = None,
@@ -349,10 +361,14 @@ def link_bucket(
     ext = _backend.ext() if native else None
     if ext is not None:
         outs = ext.bucket_reduce_link(
-            list(sources), [t for row in rows for t in row], link.dest, link.ran, link.reduce_rows
+            list(sources),
+            [t for rep in per_replica for t in rep],
+            link.dest,
+            link.ran,
+            link.reduce_replicas,
         )
     else:
-        outs = BucketReduce.apply(link, rows, anchor, *sources)
+        outs = BucketReduce.apply(link, per_replica, anchor, *sources)
     return next((t.grad_fn for t in outs if t.grad_fn is not None), None)
 
 
@@ -377,8 +393,8 @@ def make_leaves(
     """Per replica, leaves on the persistent tensors' storage (requires_grad as the sources)."""
     with torch.inference_mode(False), torch.no_grad():
         return [
-            [t.detach().requires_grad_(s.requires_grad) for t, s in zip(row, sources)]
-            for row in tensors
+            [t.detach().requires_grad_(s.requires_grad) for t, s in zip(rep, sources)]
+            for rep in tensors
         ]
 
 
@@ -393,11 +409,11 @@ def fold(
     The leaves' ``.grad`` are taken (None after): a graph still to run its backward adds anew."""
     received = 0
     for sources, leaves in pending:
-        hit = [k for k in range(len(sources)) if any(row[k].grad is not None for row in leaves)]
-        rows = [
-            [row[k].grad if row[k].grad is not None else torch.zeros_like(row[k]) for k in hit]
-            for row in leaves
-            if any(row[k].grad is not None for k in hit)
+        hit = [k for k in range(len(sources)) if any(rep[k].grad is not None for rep in leaves)]
+        per_replica = [
+            [rep[k].grad if rep[k].grad is not None else torch.zeros_like(rep[k]) for k in hit]
+            for rep in leaves
+            if any(rep[k].grad is not None for k in hit)
         ]
         if not hit:
             continue
@@ -406,7 +422,7 @@ def fold(
             if s.grad is None and s.requires_grad:
                 s.grad = torch.zeros_like(s)
         with torch.no_grad():
-            totals = reduce_add(rows, sources[0].device, stats=stats)  # never a leaf's .grad
+            totals = reduce_add(per_replica, sources[0].device, stats=stats)  # never a leaf's .grad
             for k, total in zip(hit, totals):
                 s = sources[k]
                 if s.grad is None:
@@ -415,9 +431,9 @@ def fold(
                     s.grad = total.add_(s.grad)  # AccumulateGrad's out-of-place dense sum
                 else:
                     s.grad += total
-        for row in leaves:
+        for rep in leaves:
             for k in hit:
-                row[k].grad = None
+                rep[k].grad = None
         received += len(hit)
     return received
 
@@ -427,11 +443,11 @@ def fold(
 # replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is reduced (a cycle
 # costs the fold and its last step's reduction) until the next grad-enabled forward outside, which
 # folds every generation of leaves (tensors renewed mid-cycle get new leaves; the old keep what
-# graphs still owe them) into the originals' ``.grad`` by plain accumulation. A probe on each row's
-# first leaf tells whether a micro-step's backward has run: until it has, a refresh renews what that
-# graph saved instead of overwriting it, and a fold runs again when it ends (an engine callback).
-# Copy rows are refilled every micro-step (``.data`` edits bump no version). ``zero_grad()`` drops
-# pending gradients.
+# graphs still owe them) into the originals' ``.grad`` by plain accumulation. A probe on each
+# replica's first leaf tells whether a micro-step's backward has run: until it has, a refresh
+# renews what that graph saved instead of overwriting it, and a fold runs again when it ends (an
+# engine callback). Copy replicas are refilled every micro-step (``.data`` edits bump no version).
+# ``zero_grad()`` drops pending gradients.
 class Reducer:
     """The gradient side of one replica set (DDP's ``Reducer``, in one process): which sources
     each reduce node serves, the nodes (made once per tensor set with the extension, every step
@@ -464,12 +480,12 @@ class Reducer:
         self._probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
         self._nodes: list[Any] = []  # the bucket nodes (their turn: _set_turns)
         self._early = True  # the nodes' turn: NOTE [ Early reduction ]
-        self._rows: tuple = (None, [])  # (tensors, per bucket its rows of them)
+        self._per_bucket: tuple = (None, [])  # (tensors, per bucket its replicas' of them)
         self._leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]; None outside
         self._retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
         self._probe = Probe()  # a micro-step's backward has not run yet
         self._probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
-        self._probe_at = 0  # where in a row to look for the probe leaf: see watch()
+        self._probe_at = 0  # where in a replica's leaves to look for the probe: see watch()
         self._marks: tuple = ()  # grad_marks() of the sources when the cycle started
 
     def leaves(self) -> list[list[torch.Tensor]] | None:
@@ -489,10 +505,10 @@ class Reducer:
         one per source) themselves."""
         self._pending = Pending(False) if pending is None else pending
         self._probes = []
-        if self._rows[0] is not tensors:  # per tensor set, not per step
-            self._rows = (
+        if self._per_bucket[0] is not tensors:  # per tensor set, not per step
+            self._per_bucket = (
                 tensors,
-                [[[row[i] for i in b] for row in tensors] for b in self._buckets],
+                [[[rep[i] for i in b] for rep in tensors] for b in self._buckets],
             )
         self._nodes = []
         with torch.enable_grad(), torch.inference_mode(False):
@@ -502,14 +518,14 @@ class Reducer:
             # named parameter None where DataParallel gives zeros.
             if not self._native and len(self._buckets) > 1:
                 anchor = UnreachedAnchor.apply(self._group, *self._group.flat)
-            pairs = zip(self._rows[1], self._bucket_sources)
-            for b, (rows, (sources, size)) in enumerate(pairs):
+            pairs = zip(self._per_bucket[1], self._bucket_sources)
+            for b, (per_replica, (sources, size)) in enumerate(pairs):
                 link = BucketLink(
                     b, sources, self._dest, self._stats, self._pending, self._group, size
                 )
                 node = link_bucket(
                     link,
-                    rows,
+                    per_replica,
                     sources,
                     native=self._native,
                     anchor=anchor,
@@ -577,22 +593,22 @@ class Reducer:
 
     def watch(self) -> None:
         """A micro-step's forward runs on the leaves: ``graph_alive`` holds until its backward
-        accumulates into a row's probe leaf (one hook per row and leaves): the first that
+        accumulates into a replica's probe leaf (one hook per replica and leaves): the first that
         requires grad, or, once that one went without, the first that received a gradient."""
         if self._probe.value:  # the last probe did not fire
             got = [
                 k
                 for gen in self._generations()
-                for row in gen
-                for k, t in enumerate(row)
+                for rep in gen
+                for k, t in enumerate(rep)
                 if t.grad is not None
             ]
             if got and min(got) != self._probe_at:
                 self._probe_at, self._probe_nodes = min(got), []
         if not self._probe_nodes:
             self._probe = Probe()  # holds no replica tensor: the hooks make no cycle
-            for row in self._leaves or ():
-                leaf = next((t for t in row[self._probe_at :] if t.requires_grad), None)
+            for rep in self._leaves or ():
+                leaf = next((t for t in rep[self._probe_at :] if t.requires_grad), None)
                 if leaf is not None:
                     node = torch.autograd.graph.get_gradient_edge(leaf).node
                     node.register_prehook(self._probe.ran)
@@ -615,13 +631,13 @@ class Reducer:
     def drop_pending(self, zeros: bool = False) -> None:
         """Forget the pending gradients; ``zeros``: ``zero_grad(set_to_none=False)``, which
         leaves zeros where plain accumulation would have had a gradient."""
-        rows = [row for gen in self._generations() for row in gen]
-        if zeros and any(leaf.grad is not None for row in rows for leaf in row):
+        per_replica = [rep for gen in self._generations() for rep in gen]
+        if zeros and any(leaf.grad is not None for rep in per_replica for leaf in rep):
             for s in self._sources:  # a reduce gives every source a gradient (zeros if unused)
                 if s.grad is None and s.requires_grad:
                     s.grad = torch.zeros_like(s)
-        for row in rows:
-            for leaf in row:
+        for rep in per_replica:
+            for leaf in rep:
                 leaf.grad = None
 
     def _generations(self) -> list[list[list[torch.Tensor]]]:

@@ -117,12 +117,12 @@ class ReplicaSet:
         self._watched = self._sources + self._bufs  # what tensor_signature checks
         self._any_grad = any(s.requires_grad for s in self._sources)  # backward reduces
         # the RNNs among ``_net``, whose weight lists are pointed again (see ``_RNN_CACHE``)
-        self._rnn_rows = [i for i, m in enumerate(modules) if hasattr(m, "_flat_weights_names")]
+        self._rnn_modules = [i for i, m in enumerate(modules) if hasattr(m, "_flat_weights_names")]
         self._linked = _backend.ext() is not None  # link once: needs grad_fn_use_count
         alias = not _buckets.cpu_distinct()  # replicas on the originals' device share storage
         # replicas with tensors of their own, refreshed from the originals every step
-        self._copy_rows = [j for j in range(1, n) if not (devices[j] == devices[0] and alias)]
-        self._order = _launch_order(modules, n, compile_ctx, bool(self._copy_rows))  # launches
+        self._copy_replicas = [j for j in range(1, n) if not (devices[j] == devices[0] and alias)]
+        self._order = _launch_order(modules, n, compile_ctx, bool(self._copy_replicas))  # launches
         # the replicas and their state, renewed as NOTE [ Tensors a forward changed ] says
         self._slots = Slots.LINKED  # what the replicas' slots point at
         self._held: list[torch.Tensor] = []  # what the replicas held when last sealed
@@ -135,11 +135,11 @@ class ReplicaSet:
         self._untracked = False  # the last forward may have made a graph no node tracks
         self._n_buckets = 0  # comm_stats()'s "buckets", counted again after new layouts
         self._verified: Any = None  # the wrapper's record last refreshed under: see valid()
-        self._layout: _buckets.Layout  # the copy rows' flats (set by _new_tensors)
+        self._layout: _buckets.Layout  # the copy replicas' flats (set by _new_tensors)
         self._buffer_layout: _buckets.Layout  # replicas 1..'s buffer flats
         self._buffer_copies: list[list[torch.Tensor]] = []  # per replica 1.., its buffers
         self._slots_at: list[tuple[int, str, int]] = []  # (module, key, source)
-        self._buffer_slots: list[tuple[int, int, str, int]] = []  # (row, module, key, buffer)
+        self._buffer_slots: list[tuple[int, int, str, int]] = []  # (replica, module, key, buffer)
         self._copies: list[list[Module]] = []  # per replica, its modules (``_net`` order)
         self._attrs: ReplicaAttrs | None = None  # the replicas' dicts as built, to undo writes
         with torch.inference_mode(False):  # replica tensors must be normal tensors
@@ -158,11 +158,13 @@ class ReplicaSet:
     def _new_tensors(self) -> list[list[torch.Tensor]]:
         with torch.inference_mode(False):
             first = [s.detach() for s in self._sources]  # replica 0: storage and version shared
-            self._layout = _buckets.Layout(self._sources, self._devs, self._copy_rows, self._cap)
+            self._layout = _buckets.Layout(
+                self._sources, self._devs, self._copy_replicas, self._cap
+            )
             self._n_buckets = 0  # counted again by the next refresh
             rest = [
-                self._layout.rows[j]
-                if j in self._layout.rows
+                self._layout.per_replica[j]
+                if j in self._layout.per_replica
                 else [_buckets.alias(s) for s in self._sources]
                 for j in range(1, len(self._devs))
             ]
@@ -174,7 +176,9 @@ class ReplicaSet:
             self._bufs, self._devs, range(1, len(self._devs)), self._cap
         )
         self._n_buckets = 0
-        self._buffer_copies = [self._buffer_layout.rows[j] for j in range(1, len(self._devs))]
+        self._buffer_copies = [
+            self._buffer_layout.per_replica[j] for j in range(1, len(self._devs))
+        ]
 
     def _in_turn(self) -> bool:
         return self._order in (Order.IN_TURN, Order.IN_TURN_COMPILING_BACKWARD)
@@ -186,30 +190,30 @@ class ReplicaSet:
         for i, m in enumerate(self._net):
             for key, p in m._parameters.items():
                 if p is None:
-                    for row in copies:
-                        row[i]._parameters[key] = None
+                    for rep in copies:
+                        rep[i]._parameters[key] = None
                 else:
                     self._slots_at.append((i, key, src_index[p]))
             for key, b in m._buffers.items():
-                for j, row in enumerate(copies):
+                for j, rep in enumerate(copies):
                     if b is None:
-                        row[i]._buffers[key] = None
+                        rep[i]._buffers[key] = None
                     elif b in src_index:
                         self._slots_at.append((i, key, src_index[b]))
                     else:
                         own = b if j == 0 else self._buffer_copies[j - 1][buf_index[b]]
-                        setattr(row[i], key, own)
+                        setattr(rep[i], key, own)
                         if j:
                             self._buffer_slots.append((j, i, key, buf_index[b]))
         # before the snapshots below: see NOTE [ Compiled replicas ]
         finish_tree(self._net, copies, compiled=self._ctx is not None)
-        roots = [compile_root(row[0], self._ctx) for row in copies]
+        roots = [compile_root(rep[0], self._ctx) for rep in copies]
         if self._in_turn():  # NOTE [ Compiled replicas run in order ]: inputs at fixed addresses
             mark_static(self._tensors)
             mark_static(self._buffer_copies)
         self._copies = copies
         self._assign(Slots.LINKED)
-        self._attrs = ReplicaAttrs([r for row in copies for r in row])
+        self._attrs = ReplicaAttrs([r for rep in copies for r in rep])
         return roots
 
     def _assign(self, slots: Slots) -> None:
@@ -227,18 +231,18 @@ class ReplicaSet:
 
     def _point_slots(self) -> None:
         """Every replica's slots at the tensors ``self._slots`` names."""
-        rows = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
-        row0 = self._sources if self._slots is Slots.ORIGINALS else None
-        for j, row in enumerate(self._copies):
-            row_tensors = row0 if j == 0 and row0 is not None else rows[j]
+        per_replica = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
+        rep0 = self._sources if self._slots is Slots.ORIGINALS else None
+        for j, rep in enumerate(self._copies):
+            rep_tensors = rep0 if j == 0 and rep0 is not None else per_replica[j]
             for i, key, k in self._slots_at:
-                r, t = row[i], row_tensors[k]
+                r, t = rep[i], rep_tensors[k]
                 if key in r._buffers:
                     r._buffers[key] = t
                     continue
                 point_parameter(r, key, t)
-            for i in self._rnn_rows:
-                _point_rnn_cache(row[i])
+            for i in self._rnn_modules:
+                _point_rnn_cache(rep[i])
         for j, i, key, k in self._buffer_slots:
             self._copies[j][i]._buffers[key] = self._buffer_copies[j - 1][k]
         self._reseal = True
@@ -267,7 +271,7 @@ class ReplicaSet:
         return self._order
 
     def copy_sources(self) -> None:
-        """Copy the originals into the copy rows (no autograd): one broadcast per bucket."""
+        """Copy the originals into the copy replicas (no autograd): one broadcast per bucket."""
         self._layout.refresh(self._sources, self._stats)
 
     def _renew(self) -> None:
@@ -342,11 +346,11 @@ class ReplicaSet:
         # a live graph may still need the copies' old values; with no source requiring grad no
         # node can tell (inputs that require grad make graphs all the same): assume one is
         if self._reducer.graph_alive() or self._untracked:
-            if not self._linked or self._copy_rows or self._untracked:
+            if not self._linked or self._copy_replicas or self._untracked:
                 self._renew()
             self._renew_buffers()
         self._copy_buffers()
-        if self._copy_rows:
+        if self._copy_replicas:
             self.copy_sources()
         self._untracked = not self._any_grad and torch.is_grad_enabled()
         self._reducer.arm(self._tensors, self._any_grad and torch.is_grad_enabled())
@@ -360,11 +364,11 @@ class ReplicaSet:
         self._attrs.seal()
         if self._reseal:
             self._reseal = False
-            rows = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
-            # row 0 on the originals: those are checked by the wrapper's signature
+            per_replica = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
+            # replica 0 on the originals: those are checked by the wrapper's signature
             first = 1 if self._slots is Slots.ORIGINALS else 0
-            self._held = [t for row in rows[first:] for t in row] + [
-                t for row in self._buffer_copies for t in row
+            self._held = [t for rep in per_replica[first:] for t in rep] + [
+                t for rep in self._buffer_copies for t in rep
             ]
             ext = _backend.ext()
             self._held_check = None if ext is None else ext.held_changed
@@ -375,7 +379,10 @@ class ReplicaSet:
             )
             frozen = [k for k, s in enumerate(self._sources) if not s.requires_grad]
             self._shared_frozen = [
-                rows[j][k] for j in range(1, len(rows)) if j not in self._copy_rows for k in frozen
+                per_replica[j][k]
+                for j in range(1, len(per_replica))
+                if j not in self._copy_replicas
+                for k in frozen
             ]
             self._shared_versions = list(map(_VERSION, self._shared_frozen))
 
@@ -434,19 +441,19 @@ class ReplicaSet:
         # a graph that saved the copies awaits its backward
         alive = not renewed and self._reducer.graph_alive()
         if first:
-            if alive and (self._copy_rows or not self._linked):
+            if alive and (self._copy_replicas or not self._linked):
                 self._renew()
             self._reducer.start_cycle(self._tensors, self._in_turn())
         else:
             self._reducer.drop_if_zeroed()
-            if alive and self._copy_rows:
+            if alive and self._copy_replicas:
                 self._renew_all()  # new leaves; the old keep what that graph owes them
         if alive:
             self._renew_buffers()
         if self._slots is not Slots.LEAVES:
             self._assign(Slots.LEAVES)
         self._copy_buffers()
-        if self._copy_rows:  # every micro-step: ``p.data.clamp_()`` changes no version
+        if self._copy_replicas:  # every micro-step: ``p.data.clamp_()`` changes no version
             with torch.no_grad():
                 self.copy_sources()
         self._reducer.watch()
@@ -484,20 +491,20 @@ class _TestView:
     tensors = property(lambda v: v._rs._tensors, doc="per replica, one tensor per source")
     sources = property(lambda v: v._rs._sources, doc="the originals the replicas link to")
     leaves = property(lambda v: v._rs._reducer.leaves(), doc="the no_sync leaves, or None")
-    layout = property(lambda v: v._rs._layout, doc="the copy rows' flats (``_buckets.Layout``)")
+    layout = property(lambda v: v._rs._layout, doc="the copy replicas' flats (``_buckets.Layout``)")
     compile_ctx = property(lambda v: v._rs._ctx, doc="the torch.compile context")
     in_order = property(lambda v: v._rs._in_turn(), doc="whether the replicas run in turn")
 
 
-def _launch_order(modules: list[Module], n: int, ctx: Any, copy_rows: bool) -> Order:
+def _launch_order(modules: list[Module], n: int, ctx: Any, copy_replicas: bool) -> Order:
     """How the replicas of ``modules`` on ``n`` devices must run: together where they meet in
     forward (SyncBatchNorm, replication callbacks; NOTE [ Replicas that must run at once ]),
     else in turn where several run compiled code (NOTE [ Compiled replicas run in order ];
-    with copy rows each backward compiled with its forward), else as the strategy says."""
+    with copy replicas each backward compiled with its forward), else as the strategy says."""
     from fastdp.sync_batchnorm import _syncable
 
     if any(_syncable(m) or hasattr(m, "__data_parallel_replicate__") for m in modules):
         return Order.TOGETHER  # armed every step (callbacks run even for one replica)
     if n < 2 or (ctx is None and not any(is_compiled(m) for m in modules)):
         return Order.ANY
-    return Order.IN_TURN_COMPILING_BACKWARD if copy_rows else Order.IN_TURN
+    return Order.IN_TURN_COMPILING_BACKWARD if copy_replicas else Order.IN_TURN

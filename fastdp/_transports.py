@@ -44,8 +44,8 @@ class Transport(Protocol):
         """A new tensor on ``dest``: ``flats[0] + flats[1] + ...``, summed in that order."""
 
     @staticmethod
-    def order_reads(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
-        """Before a reduce onto ``dest`` reads ``rows`` on their devices' current streams:
+    def order_reads(per_replica: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
+        """Before a reduce onto ``dest`` reads ``per_replica`` on their devices' current streams:
         NOTE [ Streams of a reduce across devices ]."""
 
 
@@ -78,24 +78,26 @@ class _CpuTransport:
         return out
 
     @staticmethod
-    def order_reads(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
+    def order_reads(per_replica: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
         return None  # one stream of work per CPU device: nothing to order
 
 
 # NOTE [ Streams of a reduce across devices ]
 # Autograd runs a bucket's node on a stream of the destination that waited for every incoming
-# gradient; rows on other GPUs are read on this thread's current streams of their devices (in an
-# autograd device thread, their default streams), which waited for nothing. So ``order_reads``
-# makes each of those streams wait on an event recorded on the destination's stream, and records
-# each such row on the stream that reads it (its block is not reused before the read). torch's
-# NCCL calls hold CUDA's free mutex (``AutoNcclGroup``): two nodes on different device threads
-# never overlap them.
+# gradient; gradients on other GPUs are read on this thread's current streams of their devices
+# (in an autograd device thread, their default streams), which waited for nothing. So
+# ``order_reads`` makes each of those streams wait on an event recorded on the destination's
+# stream, and records each such gradient on the stream that reads it (its block is not reused
+# before the read). torch's NCCL calls hold CUDA's free mutex (``AutoNcclGroup``): two nodes on
+# different device threads never overlap them.
 class _CudaTransport:
     name = "cuda"
 
     @staticmethod
-    def order_reads(rows: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
-        tensors = [t for row in rows for t in row if t.device.type == "cuda" and t.device != dest]
+    def order_reads(per_replica: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
+        tensors = [
+            t for rep in per_replica for t in rep if t.device.type == "cuda" and t.device != dest
+        ]
         if dest.type != "cuda" or not tensors:
             return
         ready = torch.cuda.Event()

@@ -51,7 +51,7 @@ def copy_stats() -> dict[str, int]:
     reads). Not the wrapper's per-step ``FastDataParallel.comm_stats()``.
 
     ``scatter_ext_calls``: calls of the extension's fused scatter; ``gather_ext_calls``: of its
-    gather; ``broadcast_layouts_built``: bucket layouts ``broadcast_coalesced`` planned (one per
+    gather; ``broadcast_layouts_built``: bucket layouts ``broadcast_coalesced`` built (one per
     new tensor set); ``pinned_pool_allocations``: pinned blocks the extension's pool allocated
     (0 without a CUDA build).
     """
@@ -109,27 +109,27 @@ def broadcast_coalesced(
                 f"fastdp.comm.broadcast_coalesced: every tensor must be on devices[0] "
                 f"({devs[0]}), but one is on {t.device}"
             )
-    layout = _broadcast_plan(tensors, devs, buffer_size).with_storage(tensors)
+    layout = _broadcast_layout(tensors, devs, buffer_size).with_storage(tensors)
     layout.refresh(tensors, None)
-    return [tensors] + [list(layout.rows[j]) for j in range(1, len(devs))]
+    return [tensors] + [list(layout.per_replica[j]) for j in range(1, len(devs))]
 
 
-# Broadcast plans: broadcast_coalesced plans its buckets (_buckets.Layout without storage: bucket
-# assignment, geometry, the extension's per-bucket view makers) once per tensor set and reuses the
-# plan; every call still allocates its own flats and copies the current values, so results of two
-# calls never alias. The key is the tensors' signature (identity, storage, shape, strides, dtype,
-# device: ``_C.tensor_signature``, or those fields themselves without the extension) with the
-# devices and the bucket size. The cache holds no tensor, so it keeps none alive; it is bounded
-# (LRU).
-_PLANS: collections.OrderedDict[Any, _buckets.Layout] = collections.OrderedDict()
-_PLANS_MAX = 16
+# Broadcast layouts: broadcast_coalesced lays out its buckets (_buckets.Layout without storage:
+# bucket assignment, geometry, the extension's per-bucket view makers) once per tensor set and
+# reuses the layout; every call still allocates its own flats and copies the current values, so
+# results of two calls never alias. The key is the tensors' signature (identity, storage, shape,
+# strides, dtype, device: ``_C.tensor_signature``, or those fields themselves without the
+# extension) with the devices and the bucket size. The cache holds no tensor, so it keeps none
+# alive; it is bounded (LRU).
+_LAYOUTS: collections.OrderedDict[Any, _buckets.Layout] = collections.OrderedDict()
+_LAYOUTS_MAX = 16
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...] | None:
     return t.stride() if t.layout == torch.strided else None
 
 
-def _broadcast_plan(
+def _broadcast_layout(
     tensors: list[torch.Tensor], devs: list[torch.device], buffer_size: int
 ) -> _buckets.Layout:
     ext = _backend.ext()
@@ -139,17 +139,17 @@ def _broadcast_plan(
         sig = tuple((id(t), t.shape, _strides(t), t.dtype, t.device) for t in tensors)
     key = (sig, tuple(devs), buffer_size)
     with _STATS_LOCK:
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _PLANS.move_to_end(key)
-            return plan
-    plan = _buckets.Layout(tensors, devs, range(1, len(devs)), buffer_size, allocate=False)
+        layout = _LAYOUTS.get(key)
+        if layout is not None:
+            _LAYOUTS.move_to_end(key)
+            return layout
+    layout = _buckets.Layout(tensors, devs, range(1, len(devs)), buffer_size, allocate=False)
     with _STATS_LOCK:
         _STATS["broadcast_layouts_built"] += 1
-        _PLANS[key] = plan
-        while len(_PLANS) > _PLANS_MAX:
-            _PLANS.popitem(last=False)
-    return plan
+        _LAYOUTS[key] = layout
+        while len(_LAYOUTS) > _LAYOUTS_MAX:
+            _LAYOUTS.popitem(last=False)
+    return layout
 
 
 def reduce_add_coalesced(
@@ -180,7 +180,7 @@ def reduce_add_coalesced(
 # Same-device chunks (NOTE [ Same-device scatter and gather ] for the wrapper's): a chunk bound for
 # the device its source is on is a view of the source, as in torch's comm.scatter (whose .to()
 # returns the chunk itself). When every chunk of a ``scatter`` without chunk_sizes stays, it returns
-# ``tensor.chunk``'s views before any planning or extension call (``torch.chunk`` gives
+# ``tensor.chunk``'s views before any split or extension call (``torch.chunk`` gives
 # ``splits_for``'s sizes): no byte moves, the cost is torch's own. Other same-device chunks are
 # views too, made by the extension's one call for all leaves.
 
@@ -230,20 +230,20 @@ def scatter(
         sizes = splits_for([tensor.size(dim)], len(devs))[0]
     else:
         sizes = splits_for([tensor.size(dim)], len(devs), list(chunk_sizes))[0]
-    rows = scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])
-    return tuple(row[0] for row in rows[: len(sizes)])
+    per_device = scatter_leaves([tensor], devs[: len(sizes)], [sizes], [dim])
+    return tuple(chunks[0] for chunks in per_device[: len(sizes)])
 
 
 def scatter_leaves(
     leaves: Sequence[torch.Tensor],
     devices: Sequence[torch.device],
-    plan: Sequence[Sequence[int]],
+    splits: Sequence[Sequence[int]],
     dims: Sequence[int],
 ) -> list[list[torch.Tensor]]:
     """The fused scatter: ``result[r][i]`` is chunk ``r`` of ``leaves[i]`` on ``devices[r]``.
 
-    ``plan[i]`` are leaf i's chunk sizes along ``dims[i]`` (one per device). Chunks that stay on the
-    leaf's device are views; the others are copies (non-blocking from pinned memory).
+    ``splits[i]`` are leaf i's chunk sizes along ``dims[i]`` (one per device). Chunks that stay
+    on the leaf's device are views; the others are copies (non-blocking from pinned memory).
     """
     devices = [d if isinstance(d, torch.device) else as_device(d) for d in devices]
     ext = _copy_ext(leaves, devices)
@@ -252,12 +252,12 @@ def scatter_leaves(
         out = [
             list(r)
             for r in ext.scatter_chunks(
-                list(leaves), [list(p) for p in plan], list(dims), list(devices)
+                list(leaves), [list(p) for p in splits], list(dims), list(devices)
             )
         ]
         return out + [[] for _ in devices[len(out) :]]
     out = [[] for _ in devices]
-    for leaf, sizes, dim in zip(leaves, plan, dims):
+    for leaf, sizes, dim in zip(leaves, splits, dims):
         for r, chunk in enumerate(leaf.split(list(sizes), dim)):
             dev = devices[r]
             # non_blocking only towards a GPU: a non-blocking D2H could be read before it landed.
@@ -283,7 +283,7 @@ def own_version_views(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def split_own_versions(
-    leaves: Sequence[torch.Tensor], plan: Sequence[Sequence[int]], dims: Sequence[int]
+    leaves: Sequence[torch.Tensor], splits: Sequence[Sequence[int]], dims: Sequence[int]
 ) -> list[torch.Tensor]:
     """The scatter of plain strided tensors that all stay on their device, replica-major:
     ``out[r * len(leaves) + i]`` is chunk ``r`` of ``leaves[i]``, a view of its bytes. Chunks 1..
@@ -293,8 +293,8 @@ def split_own_versions(
     are ``own_version_views`` of ``split``'s."""
     ext = _backend.ext()
     if ext is not None:
-        return ext.split_own_versions(leaves, plan, dims)
-    n, chunks = len(leaves), list(map(torch.Tensor.split_with_sizes, leaves, plan, dims))
+        return ext.split_own_versions(leaves, splits, dims)
+    n, chunks = len(leaves), list(map(torch.Tensor.split_with_sizes, leaves, splits, dims))
     where = [
         i
         for i, t in enumerate(leaves)
@@ -305,7 +305,7 @@ def split_own_versions(
         own = iter(own_version_views([c for i in where for c in chunks[i][1:]]))
         for i in where:
             chunks[i] = (chunks[i][0], *(next(own) for _ in chunks[i][1:]))
-    return [c[r] for r in range(len(plan[0]) if n else 0) for c in chunks]
+    return [c[r] for r in range(len(splits[0]) if n else 0) for c in chunks]
 
 
 def gather(

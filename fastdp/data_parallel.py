@@ -40,6 +40,13 @@ _MAX_SETS = 2  # replica sets kept: the most recent device tuples (a partial las
 
 _record_function = _torch_private.record_function  # the step's profiler label
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every FastDataParallel alive (live_wrappers)
+
+
+def live_wrappers() -> list[FastDataParallel]:
+    """The wrappers alive now (``ZeroRedundancyOptimizer`` finds its parameters' wrapper)."""
+    return list(_LIVE)
+
 
 def _check_device(module: Module, src: torch.device) -> None:
     for t in chain(module.parameters(), module.buffers()):
@@ -141,6 +148,7 @@ class FastDataParallel(DataParallel):
         self._no_sync = False
         self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
         self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
+        _LIVE.add(self)
         devs = self._resolve_devices(device_ids)
         # [beyond DP] chunk sizes and shares per device
         self.chunk_sizes, self.balance = check_split_args(

@@ -160,8 +160,8 @@ def scatter_one(src: torch.Tensor, dim: int, devices: list[torch.device], where:
     got = _backend.ext().scatter_chunks([src], [sizes], dim, devices)
     want = [c.to(d) for c, d in zip(src.split(sizes, dim), devices)]
     sync()
-    for r, (row, w) in enumerate(zip(got, want)):
-        same_bits(row[0], w, f"{where}, chunk {r}")
+    for r, (rep, w) in enumerate(zip(got, want)):
+        same_bits(rep[0], w, f"{where}, chunk {r}")
 
 
 def gather_one(parts: list[torch.Tensor], dim: int, dest: torch.device, where: str) -> None:
@@ -298,7 +298,7 @@ def check_side_stream(quick: bool) -> str:
             with torch.cuda.stream(torch.cuda.default_stream(dev)):
                 torch.cuda._sleep(int(5e7))  # a kernel on the default stream would lag
             up = ext.scatter_chunks([t], [_chunk_sizes(t, 2, dim)], dim, [dev, dev])
-            up_cat = torch.cat([row[0] for row in up], dim)
+            up_cat = torch.cat([rep[0] for rep in up], dim)
             ok = [torch.equal(bits(on_dev), bits(src)), torch.equal(bits(up_cat), bits(src))]
         sync()
         same_bits(host, t, f"{label} cuda:{g} -> cpu on a side stream")
@@ -342,8 +342,8 @@ def _engine_reference(op: str, lists: list[list[torch.Tensor]], devs: list) -> l
     first = lists[0]
     if op == "reduce":
         out = [t.clone() for t in first]
-        for row in lists[1:]:
-            out = [o + r.to(o.device) for o, r in zip(out, row)]
+        for rep in lists[1:]:
+            out = [o + r.to(o.device) for o, r in zip(out, rep)]
         return out
     return [[t.to(as_device(d), copy=True) for t in first] for d in devs[1:]]
 
@@ -369,7 +369,7 @@ def coalesced_check(op: str, kind: str) -> Callable[[], str]:
                 for t, u in zip(lists[0], lists[-1]):
                     t.copy_(u.to(t.device))
             layout.refresh(lists[0], None)
-            got = [layout.rows[j] for j in range(1, len(devs))]
+            got = [layout.per_replica[j] for j in range(1, len(devs))]
         want = _engine_reference(op, lists, devs)
         sync()
         same(got, want, f"engine {op}", strides=False)
@@ -388,12 +388,12 @@ def _p2p_off() -> bool:
 def check_p2p() -> str:
     need_gpus(2)
     need_ext(cuda=True)
-    ext, n, rows, bad = _backend._ext, gpus(), [], []
+    ext, n, parts, bad = _backend._ext, gpus(), [], []
     for a in range(n):
         for b in range(a + 1, n):
             reported = torch.cuda.can_device_access_peer(a, b)
             direct = ext.peer_access(a, b)
-            rows.append(
+            parts.append(
                 f"{a}-{b}:{'reported' if reported else 'none'}/"
                 f"{'enabled+verified' if direct else 'staged'}"
             )
@@ -405,7 +405,7 @@ def check_p2p() -> str:
             f"{', '.join(bad)} (fastdp stages those copies; torch's own copies between "
             "them may be wrong)"
         )
-    return ("FASTDP_P2P=0, all staged: " if _p2p_off() else "") + " ".join(rows)
+    return ("FASTDP_P2P=0, all staged: " if _p2p_off() else "") + " ".join(parts)
 
 
 def check_nccl() -> str:
@@ -413,7 +413,7 @@ def check_nccl() -> str:
     need_gpus(2)
     devs = list(range(gpus()))
     lists = _lists("all", small_ints=True)
-    if not torch.cuda.nccl.is_available([row[0] for row in lists]):
+    if not torch.cuda.nccl.is_available([rep[0] for rep in lists]):
         raise Skip("torch reports NCCL unavailable here (the engine copies between the GPUs)")
     for op in ("broadcast", "reduce"):
         coalesced_check(op, "all")()
@@ -462,7 +462,7 @@ def _train(module: nn.Module, data, wrap) -> list[torch.Tensor]:
     return seen + [p.detach() for p in module.parameters()]
 
 
-def plan(quick: bool = False) -> list[tuple[str, Callable[[], str], str]]:
+def all_checks(quick: bool = False) -> list[tuple[str, Callable[[], str], str]]:
     """(name, check, the switch that avoids its path); ``quick``: the kernel checks' small
     cases."""
     out: list[tuple[str, Callable[[], str], str]] = [("extension", check_extension, AVOID_EXT)]
@@ -516,7 +516,7 @@ def doctor(only: str | Sequence[str] | None = None, quick: bool = False) -> dict
     start = time.perf_counter()
     checks = []
     wanted = [only] if isinstance(only, str) else list(only or ())
-    for name, check, avoid in plan(quick):
+    for name, check, avoid in all_checks(quick):
         if wanted and not any(w in name for w in wanted):
             continue
         t0 = time.perf_counter()

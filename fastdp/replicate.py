@@ -55,11 +55,11 @@ def clone_tree(modules: list[Module], num: int) -> list[list[Module]]:
     copies = [[replicate_module(m) for m in modules] for _ in range(num)]
     for i, m in enumerate(modules):
         for key, child in m._modules.items():
-            for row in copies:
+            for rep in copies:
                 if child is None:
-                    row[i]._modules[key] = None
+                    rep[i]._modules[key] = None
                 else:
-                    setattr(row[i], key, row[index[child]])
+                    setattr(rep[i], key, rep[index[child]])
     return copies
 
 
@@ -75,8 +75,8 @@ def point_parameter(replica: Module, key: str, t: torch.Tensor) -> None:
 def finish_tree(modules: list[Module], copies: list[list[Module]], compiled: bool) -> None:
     """After the tensors are set: each replica finished from its module; with ``compiled``
     code the compile budget scaled to the replicas (``_compiled.budget_for``)."""
-    for row in copies:
-        for m, r in zip(modules, row):
+    for rep in copies:
+        for m, r in zip(modules, rep):
             finish_replica(m, r)
     if compiled or any(is_compiled(m) for m in modules):
         budget_for(len(copies))
@@ -115,19 +115,19 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     copies = clone_tree(modules, len(devices))
     for i, module in enumerate(modules):
         for key, param in module._parameters.items():
-            for j, row in enumerate(copies):
-                replica = row[i]
+            for j, rep in enumerate(copies):
+                replica = rep[i]
                 if param is None:
                     replica._parameters[key] = None
                     continue
                 point_parameter(replica, key, param_copies[j][param_indices[param]])
         for key, buf in module._buffers.items():
-            for j, row in enumerate(copies):
+            for j, rep in enumerate(copies):
                 if buf is None:
-                    row[i]._buffers[key] = None
+                    rep[i]._buffers[key] = None
                 elif buf.requires_grad and not detach:
-                    setattr(row[i], key, rg_copies[j][rg_idx[buf]])
+                    setattr(rep[i], key, rg_copies[j][rg_idx[buf]])
                 else:
-                    setattr(row[i], key, not_rg_copies[j][not_rg_idx[buf]])
+                    setattr(rep[i], key, not_rg_copies[j][not_rg_idx[buf]])
     finish_tree(modules, copies, compiled=False)
-    return [row[0] for row in copies]
+    return [rep[0] for rep in copies]

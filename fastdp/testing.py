@@ -18,6 +18,7 @@ NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 # Where multi-replica tests run: CPU virtual replicas always, replicas sharing cuda:0 when present.
 DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 CPU = torch.device("cpu")
+CPU2 = ["cpu", "cpu"]  # device_ids of two CPU replicas
 BACKENDS = ["ext", "torch"]
 # The dtypes every copy-like op is tested over (bit-exact against its torch reference).
 DTYPES = [

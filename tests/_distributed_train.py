@@ -3,7 +3,9 @@
 
 ``python _distributed_train.py OUT`` trains with FastDataParallel on two CPU replicas;
 ``torchrun --nproc_per_node 2 _distributed_train.py OUT`` trains with DDP (gloo) on two processes.
-Rank 0 saves the final bare state dict, the global loss of every step and the wrapper's type.
+A last argument ``zero`` makes the optimizer ``fastdp.ZeroRedundancyOptimizer`` (torch's under
+torchrun). Rank 0 saves the final bare state dict, the global loss of every step and the types of
+the wrapper and the optimizer.
 """
 
 import os
@@ -17,12 +19,17 @@ from torch import nn
 import fastdp
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, zero: bool) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
     model = fastdp.wrap(net, device_ids=["cpu", "cpu"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    if zero:  # the same line gives fastdp's class in one process, torch's under torchrun
+        opt = fastdp.ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, lr=0.2, momentum=0.9
+        )
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     data = torch.Generator().manual_seed(1)  # every rank draws the same global batches
     losses = []
     for _ in range(6):
@@ -44,6 +51,7 @@ def main(out_path: str) -> None:
                 "state": fastdp.unwrap(model).state_dict(),
                 "losses": losses,
                 "wrapper": type(model).__name__,
+                "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
             },
             out_path,
         )
@@ -61,4 +69,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["zero"])

@@ -93,7 +93,7 @@ else
   CORE="tests/test_gpu_copy_order.py tests/test_gpu_pool_and_streams.py
     tests/test_scatter_ext.py tests/test_gather_ext.py tests/test_scatter_comm_calls.py
     tests/test_replicas_broadcast_cache.py tests/test_scatter_pinned_pool.py
-    tests/test_scatter_host_copy_plan.py tests/test_scatter_cross_device_copies.py
+    tests/test_scatter_host_copy_route.py tests/test_scatter_cross_device_copies.py
     tests/test_gpu_parity.py tests/test_tools_cuda_build.py tests/test_scatter_gather_same_device.py
     tests/test_upstream_comm.py tests/test_reduce_reducer.py tests/test_reduce_buckets.py
     tests/test_reduce_distinct_replicas.py"

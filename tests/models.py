@@ -1,7 +1,12 @@
-"""Real architectures built from torch.nn, used across the suite (seeded, small)."""
+"""Real architectures built from torch.nn, used across the suite (seeded, small), and the
+repository's root."""
+
+import os
 
 import torch
 from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 class LSTMHead(nn.Module):

@@ -20,19 +20,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastdp import FastDataParallel
+from fastdp import FastDataParallel, ZeroRedundancyOptimizer
 
 
 def make_optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
-    """SGD with momentum or AdamW, both with weight decay; a sparse embedding gets plain SGD."""
+    """SGD with momentum or AdamW, both with weight decay; a sparse embedding gets plain SGD.
+    ``kind`` ending in ``+zero``: the dense parameters' optimizer is a
+    ``ZeroRedundancyOptimizer`` of the same class (the model must be wrapped already)."""
     sparse = [p for n, p in model.named_parameters() if n.startswith("emb.")]
     dense = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
-    if kind == "sgd":
-        opts: list[torch.optim.Optimizer] = [
-            torch.optim.SGD(dense, lr=0.1, momentum=0.9, weight_decay=0.01)
-        ]
+    base, _, zero = kind.partition("+")
+    if base == "sgd":
+        cls, kw = torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
     else:
-        opts = [torch.optim.AdamW(dense, lr=0.01, weight_decay=0.1)]
+        cls, kw = torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}
+    if zero:
+        opts: list[torch.optim.Optimizer] = [ZeroRedundancyOptimizer(dense, cls, **kw)]
+    else:
+        opts = [cls(dense, **kw)]
     if sparse:
         opts.append(torch.optim.SGD(sparse, lr=0.1))
     return opts
@@ -69,10 +74,11 @@ class Wrapped(Runner):
         cap_mb: float,
         launch: str | None,
     ) -> None:
-        super().__init__(model, opt)
         self.fdp = FastDataParallel(
             model, ["cpu"] * n, persistent=persistent, bucket_cap_mb=cap_mb, launch=launch
         )
+        # the sharded optimizer is persistent state: the persistent runner alone runs it
+        super().__init__(model, opt if persistent else opt.partition("+")[0])
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, keep: bool = False) -> torch.Tensor:
         return self.fdp(x, idx)  # ``keep``: the chunked runner's (a graph still alive)
@@ -123,7 +129,7 @@ class Chunked(Runner):
     """DataParallel's semantics by hand (see the module docstring)."""
 
     def __init__(self, model: nn.Module, opt: str, n: int) -> None:
-        super().__init__(model, opt)
+        super().__init__(model, opt.partition("+")[0])
         self.n = n
         self.live: list[dict] = []  # each copy's parameters as its forward found them
         self.hooks: dict[str, list] = {}

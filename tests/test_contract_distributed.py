@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import ROOT
 from torch import nn
 from torch.testing import assert_close
 
@@ -16,7 +17,6 @@ import fastdp
 from fastdp import distributed
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 Batch = namedtuple("Batch", "x meta")
 
 
@@ -100,12 +100,16 @@ def _env():
     return env
 
 
-def test_torchrun_ddp_matches_single_process_fastdataparallel(tmp_path):
+@pytest.mark.parametrize("optimizer", ["plain", "zero"])
+def test_torchrun_ddp_matches_single_process_fastdataparallel(tmp_path, optimizer):
+    """One script both ways; with ``fastdp.ZeroRedundancyOptimizer`` it is fastdp's class in one
+    process and torch's under torchrun (gloo), with the same trajectory."""
     script = str(HERE / "_distributed_train.py")
+    extra = ["zero"] if optimizer == "zero" else []
     single, multi = tmp_path / "single.pt", tmp_path / "ddp.pt"
     runs = [
         subprocess.Popen(
-            [sys.executable, script, str(single)],
+            [sys.executable, script, str(single), *extra],
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -125,6 +129,7 @@ def test_torchrun_ddp_matches_single_process_fastdataparallel(tmp_path):
                 str(_free_port()),
                 script,
                 str(multi),
+                *extra,
             ],
             env=_env(),
             stdout=subprocess.PIPE,
@@ -141,6 +146,11 @@ def test_torchrun_ddp_matches_single_process_fastdataparallel(tmp_path):
         assert p.returncode == 0, out.decode()[-3000:]
     a, b = torch.load(single), torch.load(multi)
     assert a["wrapper"] == "FastDataParallel" and b["wrapper"] == "DistributedDataParallel"
+    if optimizer == "zero":
+        assert a["optimizer"] == "fastdp.zero_optimizer.ZeroRedundancyOptimizer"
+        assert b["optimizer"] == (
+            "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer"
+        )
     assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]))
     assert list(a["state"]) == list(b["state"])
     for k in a["state"]:

@@ -11,10 +11,10 @@ import os
 import re
 
 import pytest
+from models import ROOT
 
 from fastdp.bench import headline
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 
 # History told in prose: an issue or review number, "before the fix", a commit hash, a date.
@@ -272,6 +272,44 @@ def test_no_note_inside_a_docstring():
         for o in _docstring_offences(path)
     ]
     assert not bad, "\n".join(bad)
+
+
+CPP_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+CPP_STRINGS = re.compile(r'"(?:\\.|[^"\\\n])*"(?:\s*"(?:\\.|[^"\\\n])*")*')  # adjacent: one
+
+
+def _binding_string_citations(text: str) -> list[str]:
+    """The NOTE citations inside C++ string literals (adjacent literals joined, as the compiler
+    joins them): a pybind docstring is what ``help()`` prints."""
+    out = []
+    for m in CPP_STRINGS.finditer(CPP_COMMENT.sub("", text)):
+        joined = "".join(re.findall(r'"((?:\\.|[^"\\\n])*)"', m.group(0)))
+        out += [c.group(0) for c in NOTE_CITATION.finditer(joined)]
+    return out
+
+
+def test_no_note_cited_in_a_binding_docstring():
+    """A binding's docstring is the caller's too (``help(fastdp._C.x)``): a NOTE it needs is
+    cited in a ``//`` comment above the binding, or at the code the NOTE governs."""
+    bad = [
+        f"{os.path.relpath(path, ROOT)}: {c}"
+        for path in _files(["csrc/**/*.cpp", "csrc/**/*.cu"])
+        for c in _binding_string_citations(open(path, encoding="utf-8").read())
+    ]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "text, cited",
+    [
+        ('m.def("f", &f, "Sums (NOTE [ Summing in place ]).");', True),
+        ('m.def("f", &f, "Sums (see NOTE "\n        "[ Summing in place ]).");', True),
+        ('// See NOTE [ Summing in place ].\nm.def("f", &f, "Sums.");', False),
+        ('m.def("f", &f, "Sums; torch\'s NOTE [ x ] too.");', True),
+    ],
+)
+def test_the_binding_docstring_check_itself(text, cited):
+    assert bool(_binding_string_citations(text)) is cited
 
 
 def test_no_figures_in_a_note():

@@ -20,8 +20,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from models import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 GUARDED = {"ReplicaSet": "fastdp/_replica_set.py", "Reducer": "fastdp/_reducer.py"}
 QUERIES = {
     "ReplicaSet": [
@@ -86,7 +86,7 @@ def instance_attributes(cls: ast.ClassDef) -> dict[str, list[tuple[str, ast.Attr
 def guarded_names() -> set[str]:
     names: set[str] = set()
     for cls, path in GUARDED.items():
-        names |= set(instance_attributes(_class(_parse(ROOT / path), cls)))
+        names |= set(instance_attributes(_class(_parse(Path(ROOT) / path), cls)))
     return names
 
 
@@ -129,8 +129,8 @@ def foreign_accesses(path: Path, names: set[str], source: str | None = None) -> 
 
 
 def library_files() -> list[Path]:
-    guarded = {ROOT / p for p in GUARDED.values()}
-    return [p for p in sorted((ROOT / "fastdp").rglob("*.py")) if p not in guarded]
+    guarded = {Path(ROOT) / p for p in GUARDED.values()}
+    return [p for p in sorted((Path(ROOT) / "fastdp").rglob("*.py")) if p not in guarded]
 
 
 def _commented(lines: list[str], lineno: int) -> bool:
@@ -141,8 +141,8 @@ def _commented(lines: list[str], lineno: int) -> bool:
 def test_state_is_private_and_declared_once_in_init_with_a_comment():
     problems = []
     for cls_name, path in GUARDED.items():
-        lines = (ROOT / path).read_text().splitlines()
-        attrs = instance_attributes(_class(_parse(ROOT / path), cls_name))
+        lines = (Path(ROOT) / path).read_text().splitlines()
+        attrs = instance_attributes(_class(_parse(Path(ROOT) / path), cls_name))
         assert attrs, f"{cls_name}: no instance attributes found (parser out of date?)"
         for name, sites in sorted(attrs.items()):
             if not name.startswith("_"):
@@ -164,7 +164,7 @@ def test_no_library_module_touches_their_state(path):
 def test_no_test_touches_their_state():
     """Tests too: through the methods, or the ``for_tests()`` hook (read-only, live)."""
     hits = []
-    for path in sorted((ROOT / "tests").glob("*.py")):
+    for path in sorted((Path(ROOT) / "tests").glob("*.py")):
         hits += foreign_accesses(path, guarded_names())
     assert hits == []
 
@@ -178,7 +178,7 @@ def test_test_hooks_are_not_called_by_the_library():
 
 @pytest.mark.parametrize("cls_name", sorted(QUERIES))
 def test_queries_write_nothing(cls_name):
-    cls = _class(_parse(ROOT / GUARDED[cls_name]), cls_name)
+    cls = _class(_parse(Path(ROOT) / GUARDED[cls_name]), cls_name)
     methods = {fn.name: fn for fn in cls.body if isinstance(fn, ast.FunctionDef)}
     for name in QUERIES[cls_name]:
         assert name in methods, f"{cls_name}.{name} is gone: update QUERIES"

@@ -19,8 +19,7 @@ from torch import nn
 
 from fastdp import FastDataParallel
 from fastdp.scatter_gather import gather
-
-CPU2 = ["cpu", "cpu"]
+from fastdp.testing import CPU2
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 GPU only (each test skips without a GPU and a CUDA build; multi-GPU ones on one GPU). The host
 logic of each is tested on the CPU: tests/test_scatter_pinned_pool.py (NOTE [ Pinned blocks and
-graphs ]), tests/test_scatter_host_copy_plan.py (NOTE [ Stream order of host copies ]),
+graphs ]), tests/test_scatter_host_copy_route.py (NOTE [ Stream order of host copies ]),
 tests/test_reduce_stream_order.py (NOTE [ Streams of a reduce across devices ]).
 """
 

@@ -9,8 +9,8 @@ import os
 import re
 
 import pytest
+from models import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "fastdp")
 DOC = os.path.join(ROOT, "docs", "how-it-works.md")
 

@@ -5,17 +5,17 @@ The long variant is the same test with more steps:
 
     FASTDP_SOAK_STEPS=10000 PYTHONPATH=. python -m pytest tests/test_launch_soak.py -q -s
 
-Each step is a forward, backward and SGD step of a small MLP with a running-mean buffer (updated
-in place, like BatchNorm's), LayerNorm and dropout on 4 CPU replicas, with batch sizes that vary:
+Each step is a forward, backward and SGD step of a small MLP with a running-mean buffer (updated in
+place, like BatchNorm's), LayerNorm and dropout on 4 CPU replicas, with batch sizes that vary:
 epochs of a 250-sample dataset in batches of 32 (a partial last batch of 26), interleaved with
 random batches of 1-40 (some smaller than the replica count). After a warm-up (the first 20% of
 steps) and at the end it samples resident memory (``VmRSS`` in ``/proc/self/status``), the native
-(``Threads``) and Python (``threading.active_count()``) thread counts and the number of objects
-the garbage collector tracks; it prints them (``-s``) and requires the thread counts unchanged, at
-most 200 new objects and RSS grown by at most ``max(24 MiB, 5%)``. Every 100 steps an eval-mode
-forward is checked against the plain module. It runs on the default backend only (the backends'
-equivalence is the property tests' subject), with one intra-op thread (the replica threads fill
-the cores), in two variants: persistent replicas and worker threads (the default), and fresh
+(``Threads``) and Python (the main thread and those the test started) thread counts and the number
+of objects the garbage collector tracks; it prints them (``-s``) and requires the thread counts
+unchanged, at most 200 new objects and RSS grown by at most ``max(24 MiB, 5%)``. Every 100 steps an
+eval-mode forward is checked against the plain module. It runs on the default backend only (the
+backends' equivalence is the property tests' subject), with one intra-op thread (the replica threads
+fill the cores), in two variants: persistent replicas and worker threads (the default), and fresh
 replicas and threads every step (``persistent=False``, DataParallel's way).
 
 Measured on the development machine (2 cores, shared), one intra-op thread, main before the
@@ -80,6 +80,11 @@ def batch_sizes(steps: int, seed: int = 0) -> list[int]:
     return sizes[:steps]
 
 
+def own_threads(earlier: set[threading.Thread]) -> int:
+    """The Python threads alive now that were not alive in ``earlier`` (the main thread counted)."""
+    return 1 + sum(t not in earlier for t in threading.enumerate())
+
+
 @pytest.fixture
 def one_intra_op_thread():
     """Replica threads already fill the cores; intra-op threads on top only oversubscribe them."""
@@ -93,6 +98,9 @@ def one_intra_op_thread():
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "fresh_replicas"])
 def test_soak_memory_and_threads_flat(one_intra_op_thread, persistent):
     torch.manual_seed(0)
+    # Threads alive before the test are not counted: an earlier test's wrapper that the garbage
+    # collector frees mid-run stops its workers then, which is no thread of this test's.
+    earlier = set(threading.enumerate())
     model = nn.Sequential(
         nn.Linear(16, 32),
         RunningCenter(32),
@@ -121,12 +129,12 @@ def test_soak_memory_and_threads_flat(one_intra_op_thread, persistent):
             model.train()
         if step == warm - 1:
             rss_warm, native_warm = proc_status("VmRSS"), proc_status("Threads")
-            threads_warm, objects_warm = threading.active_count(), len(gc.get_objects())
+            threads_warm, objects_warm = own_threads(earlier), len(gc.get_objects())
     elapsed = time.monotonic() - start
     del out, x
     gc.collect()
     rss_end, objects_end = proc_status("VmRSS"), len(gc.get_objects())
-    threads_end = threading.active_count()
+    threads_end = own_threads(earlier)
     deadline = time.monotonic() + 2.0  # a replica thread can still be exiting natively
     while proc_status("Threads") > native_warm and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -280,7 +280,7 @@ def test_cuda_unused_bucket_matches_the_plain_module(monkeypatch, backend, mode)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_copy_rows_on_one_gpu_match_the_plain_module(monkeypatch):
+def test_cuda_copy_replicas_on_one_gpu_match_the_plain_module(monkeypatch):
     """The CUDA transport's copy fallback (flats on the source GPU: NCCL needs distinct ones)."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")
     torch.manual_seed(0)

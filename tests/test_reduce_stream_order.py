@@ -33,7 +33,7 @@ class FakeGrad:
         self.read_on.append(stream)
 
 
-def test_rows_on_other_gpus_are_read_after_the_destinations_stream(monkeypatch) -> None:
+def test_replicas_on_other_gpus_are_read_after_the_destinations_stream(monkeypatch) -> None:
     streams: dict[torch.device, FakeStream] = {}
 
     def current_stream(device=None):
@@ -57,7 +57,7 @@ def test_rows_on_other_gpus_are_read_after_the_destinations_stream(monkeypatch) 
     assert rows[2][0].read_on == [streams[torch.device("cuda", 2)]] and rows[2][1].read_on == []
 
 
-def test_rows_all_on_the_destination_need_no_event(monkeypatch) -> None:
+def test_replicas_all_on_the_destination_need_no_event(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "Event", lambda: (_ for _ in ()).throw(AssertionError))
     dest = torch.device("cuda", 0)
     _transports.transport_for([dest]).order_reads([[FakeGrad("cuda:0")]] * 2, dest)

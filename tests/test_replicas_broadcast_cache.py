@@ -1,4 +1,4 @@
-"""fastdp.comm.broadcast_coalesced plans a tensor set once (the comment above ``_PLANS`` in
+"""fastdp.comm.broadcast_coalesced lays out a tensor set once (the comment above ``_LAYOUTS`` in
 fastdp/comm.py) and still returns fresh tensors with the current values on every call.
 
 Counted through ``fastdp.comm.copy_stats()["broadcast_layouts_built"]``; every test runs with the
@@ -80,7 +80,7 @@ def test_results_of_two_calls_do_not_alias(backend) -> None:
     torch.testing.assert_close(first[1][0], ts[0], rtol=0, atol=0)
 
 
-def test_row_zero_is_the_inputs_and_copies_have_own_version_counters(backend) -> None:
+def test_replica_zero_is_the_inputs_and_copies_have_own_version_counters(backend) -> None:
     ts = tensor_set()
     out = comm.broadcast_coalesced(ts, DEVICES)
     assert all(a is b for a, b in zip(out[0], ts))
@@ -93,7 +93,7 @@ def test_row_zero_is_the_inputs_and_copies_have_own_version_counters(backend) ->
     assert not a.requires_grad and a.grad_fn is None
 
 
-def test_the_plan_cache_keeps_no_tensor_alive(backend) -> None:
+def test_the_layout_cache_keeps_no_tensor_alive(backend) -> None:
     ts = tensor_set()
     refs = [weakref.ref(t) for t in ts]
     out = comm.broadcast_coalesced(ts, DEVICES)
@@ -103,15 +103,15 @@ def test_the_plan_cache_keeps_no_tensor_alive(backend) -> None:
     assert all(r() is None for r in refs + out_refs)
 
 
-def test_the_plan_cache_is_bounded(backend) -> None:
-    for n in range(comm._PLANS_MAX + 5):
+def test_the_layout_cache_is_bounded(backend) -> None:
+    for n in range(comm._LAYOUTS_MAX + 5):
         comm.broadcast_coalesced([torch.randn(n + 1)], DEVICES)
-    assert len(comm._PLANS) <= comm._PLANS_MAX
+    assert len(comm._LAYOUTS) <= comm._LAYOUTS_MAX
 
 
 @onlyCUDA
 @pytest.mark.parametrize("devices", [[0, 0, 0], [0, 0]])
-def test_cuda_broadcast_matches_torch_and_plans_once(devices) -> None:
+def test_cuda_broadcast_matches_torch_and_lays_out_once(devices) -> None:
     ts = [t.cuda() for t in tensor_set()]
     before = built()
     for _ in range(3):

@@ -36,7 +36,6 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -47,72 +46,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from oracle_checks import LAUNCHES, LEFT_OUT, LOSSES, NAMES, SETTINGS, agree, halve_grad, on
 from oracle_models import FAIL, FEATURES, SKIP, VOCAB, D, OracleNet, _half
 from oracle_runners import Chunked, Wrapped
 
 from fastdp import _buckets
-
-OPERATIONS = (
-    "no_sync",
-    "optimizer",
-    "load_state_dict",
-    "inplace_edit",
-    "requires_grad",
-    "train_eval",
-    "failing",
-    "threads",
-    "no_grad_forward",
-    "orig_hook",
-    "autograd_grad",
-    "backward_inputs",
-    "retain_graph",
-    "accumulate",
-    "partial_batch",
-    "zero_grad_pending",
-    "two_forwards",
-    "data_edit",
-    "post_hook",
-)
-LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
-_unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)
-assert not _unknown, f"FASTDP_ORACLE_SKIP: unknown names {sorted(_unknown)}"
-LAUNCHES = [None] if os.environ.get("FASTDP_LAUNCH") else ["threads", "inline"]
-NAMES = ("persistent", "fresh", "chunked")
-TOL = dict(rtol=1e-7, atol=1e-9, equal_nan=True)  # an edit may make a variance negative
-LOSSES = [
-    k for k in ("backward", "retain_graph", "autograd_grad", "backward_inputs") if k not in LEFT_OUT
-]
-
-
-def on(name: str):
-    return precondition(lambda self: name not in LEFT_OUT and not self.pending)
-
-
-def _dense(g):
-    return g.to_dense() if g is not None and g.is_sparse else g
-
-
-def _halve_grad(p: torch.Tensor) -> None:
-    p.grad.mul_(0.5)
-
-
-def agree(values: list, what: str, unreached_none: bool = False) -> None:
-    """``values`` per runner (persistent, fresh, chunked). The wrappers must agree exactly on None
-    or not; DataParallel gives an unused parameter zeros where the chunked module has None.
-    ``unreached_none``: a backward that named its inputs (``autograd.grad``, ``inputs=``) gives
-    a parameter whose whole bucket went unused None with persistent replicas, zeros with
-    DataParallel (README, *Persistent replicas*)."""
-    p, f, c = map(_dense, values)
-    if unreached_none and p is None and f is not None and not f.any():
-        p = f
-    assert (p is None) == (f is None), f"{what}: persistent {p} vs fresh {f}"
-    if p is not None:
-        torch.testing.assert_close(p, f, **TOL, msg=lambda m: f"{what}, persistent vs fresh: {m}")
-    if c is None:
-        assert p is None or not p.any(), f"{what}: persistent {p} vs chunked None"
-    else:
-        assert p is not None, f"{what}: persistent None vs chunked {c}"
-        torch.testing.assert_close(p, c, **TOL, msg=lambda m: f"{what}, vs chunked: {m}")
 
 
 class Oracle(RuleBasedStateMachine):
@@ -121,7 +59,7 @@ class Oracle(RuleBasedStateMachine):
         n=st.integers(2, 4),
         cap=st.sampled_from([1e-4, _buckets.DEFAULT_CAP_MB]),
         launch=st.sampled_from(LAUNCHES),
-        opt=st.sampled_from(["sgd", "adamw"]),
+        opt=st.sampled_from(["sgd", "adamw", "sgd+zero", "adamw+zero"]),
         seed=st.integers(0, 2**16),
     )
     def build(self, feats, n, cap, launch, opt, seed):
@@ -196,8 +134,11 @@ class Oracle(RuleBasedStateMachine):
         zero=st.sampled_from(["none", "zeros", "keep"]),
         skip=st.none() | st.integers(0, 3),
         subset=st.integers(1, 2**12 - 1),
+        then_step=st.booleans(),
     )
-    def train_step(self, b, loss, zero, skip, subset):
+    def train_step(self, b, loss, zero, skip, subset, then_step):
+        """zero_grad, forward, a backward of one kind, then (``then_step``) the optimizers'
+        step, as a training loop does."""
         if "checkpoint" in self.feats and loss in ("autograd_grad", "backward_inputs"):
             loss = "backward"  # a reentrant checkpoint raises for both, after partial work
         if self.hooked_checkpoint:  # see post_hook()
@@ -229,6 +170,8 @@ class Oracle(RuleBasedStateMachine):
             self.each(twice, outs)
         else:
             self.each(lambda r, o: r.backward((o * w).sum()), outs)
+        if then_step and "optimizer" not in LEFT_OUT:
+            self.each(lambda r: r.step())
 
     @precondition(lambda self: "no_sync" not in LEFT_OUT and not self.hooked_checkpoint)
     @rule(b=st.integers(1, 12), skip=st.none() | st.integers(0, 3))
@@ -394,7 +337,7 @@ class Oracle(RuleBasedStateMachine):
         each; inline only (on threads, DataParallel's ``Broadcast`` turn depends on the
         workers' sequence numbers). No two forwards before one backward from then on: each of
         DataParallel's ``Broadcast`` nodes accumulates, in the order of their sequence numbers."""
-        self.each(lambda r: r.add_post_hook("lin.bias", _halve_grad))
+        self.each(lambda r: r.add_post_hook("lin.bias", halve_grad))
         self.post_hooked = True
         self.hooked_checkpoint = "checkpoint" in self.feats
 
@@ -441,18 +384,6 @@ class Oracle(RuleBasedStateMachine):
             r.live = []
 
 
-SETTINGS = settings(
-    max_examples=int(os.environ.get("FASTDP_ORACLE_EXAMPLES", "200")),
-    stateful_step_count=int(os.environ.get("FASTDP_ORACLE_STEPS", "10")),
-    derandomize="FASTDP_ORACLE_SEED" not in os.environ,
-    database=None,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.filter_too_much,
-    ],
-)
 if "FASTDP_ORACLE_SEED" in os.environ:
     hypothesis_seed(int(os.environ["FASTDP_ORACLE_SEED"]))(Oracle)
 

@@ -1,4 +1,4 @@
-"""fastdp._C.scatter_chunks against the torch reference ``leaf.split(plan, dim)[r].to(device)``.
+"""fastdp._C.scatter_chunks against the torch reference ``leaf.split(splits, dim)[r].to(device)``.
 
 Bit-exact: values, dtype, shape and strides. CPU cases run everywhere (the CPU implementation);
 CUDA cases skip without a GPU, the distinct-GPU case without two.
@@ -50,14 +50,14 @@ LAYOUTS = {
 }
 
 
-def plan_for(leaves, n, dim):
+def splits_of(leaves, n, dim):
     return splits_for([t.size(dim) for t in leaves], n, None)
 
 
-def reference(leaves, plan, dim, devices):
+def reference(leaves, splits, dim, devices):
     return [
-        [leaf.split(plan[i], dim)[r].to(devices[r]) for i, leaf in enumerate(leaves)]
-        for r in range(len(plan[0]) if plan else 0)
+        [leaf.split(splits[i], dim)[r].to(devices[r]) for i, leaf in enumerate(leaves)]
+        for r in range(len(splits[0]) if splits else 0)
     ]
 
 
@@ -76,11 +76,11 @@ def assert_same(got, want, *, view_of=None):
 
 
 def run_case(leaves, n, dim, devices):
-    plan = plan_for(leaves, n, dim)
-    got = _C.scatter_chunks(leaves, plan, dim, devices[: len(plan[0])])
-    want = reference(leaves, plan, dim, devices)
+    splits = splits_of(leaves, n, dim)
+    got = _C.scatter_chunks(leaves, splits, dim, devices[: len(splits[0])])
+    want = reference(leaves, splits, dim, devices)
     assert_same(got, want)
-    return got, want, plan
+    return got, want, splits
 
 
 # ---------------------------------------------------------------- CPU (CPU-replica mode)
@@ -111,8 +111,8 @@ def test_scatter_cpu_fused_mixed_dtypes_one_call(n):
 
 def test_scatter_cpu_negative_dim_normalised_per_leaf():
     leaves = [make((3, 8), torch.float32), make((2, 5, 8), torch.int64)]
-    got, _, plan = run_case(leaves, 3, -1, [torch.device("cpu")] * 3)
-    assert [t.size(-1) for t in got[0]] == [plan[0][0], plan[1][0]]
+    got, _, splits = run_case(leaves, 3, -1, [torch.device("cpu")] * 3)
+    assert [t.size(-1) for t in got[0]] == [splits[0][0], splits[1][0]]
 
 
 def test_scatter_cpu_conj_view_stays_lazy():
@@ -122,15 +122,15 @@ def test_scatter_cpu_conj_view_stays_lazy():
 
 def test_scatter_cpu_fewer_chunks_than_devices():
     leaf = make((3, 2), torch.float32)
-    got, _, plan = run_case([leaf], 8, 0, [torch.device("cpu")] * 8)
-    assert len(plan[0]) == 3 and len(got) == 3
+    got, _, splits = run_case([leaf], 8, 0, [torch.device("cpu")] * 8)
+    assert len(splits[0]) == 3 and len(got) == 3
 
 
 def test_scatter_cpu_explicit_chunk_sizes_with_zero():
     leaf = make((5, 2), torch.float32)
-    plan = splits_for([5], 3, [2, 0, 3])
-    got = _C.scatter_chunks([leaf], plan, 0, [torch.device("cpu")] * 3)
-    assert_same(got, reference([leaf], plan, 0, [torch.device("cpu")] * 3))
+    splits = splits_for([5], 3, [2, 0, 3])
+    got = _C.scatter_chunks([leaf], splits, 0, [torch.device("cpu")] * 3)
+    assert_same(got, reference([leaf], splits, 0, [torch.device("cpu")] * 3))
 
 
 def test_scatter_cpu_results_carry_no_autograd_history():
@@ -142,7 +142,7 @@ def test_scatter_cpu_results_carry_no_autograd_history():
     assert [row[0].requires_grad for row in got] == [t.requires_grad for t in want]
 
 
-def test_scatter_rejects_plan_not_summing_to_size():
+def test_scatter_rejects_splits_not_summing_to_size():
     with pytest.raises(RuntimeError, match=r"scatter_chunks: chunk sizes of leaf 0 sum to 3"):
         _C.scatter_chunks([torch.zeros(4)], [[1, 2]], 0, [torch.device("cpu")] * 2)
 
@@ -298,10 +298,10 @@ def test_comm_scatter_leaves_extension_and_torch_paths_agree(backend):
 
     cpu = [torch.device("cpu")] * 4
     leaves = [make((3, 5), torch.float32), make((3, 2, 2), torch.int64).transpose(1, 2)]
-    plan = plan_for(leaves, 4, 0)  # 3 rows on 4 devices: 3 replicas
-    got = comm.scatter_leaves(leaves, cpu, plan, [0, 0])
+    splits = splits_of(leaves, 4, 0)  # 3 rows on 4 devices: 3 replicas
+    got = comm.scatter_leaves(leaves, cpu, splits, [0, 0])
     assert len(got) == 4 and got[3] == []  # one list per device, as the torch path gives
-    assert_same(got[:3], reference(leaves, plan, 0, cpu))
+    assert_same(got[:3], reference(leaves, splits, 0, cpu))
 
 
 def test_comm_scatter_per_leaf_dims(backend):

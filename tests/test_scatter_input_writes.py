@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fastdp import FastDataParallel, comm
+from fastdp.testing import CPU2
 
-CPU2 = ["cpu", "cpu"]
 CPU3 = ["cpu", "cpu", "cpu"]
 
 
@@ -157,13 +157,13 @@ def test_split_own_versions_is_split_with_own_counters(backend, replicas):
     shape; a leaf that requires grad keeps ``split``'s chunks and their history."""
     base = torch.arange(60.0).view(6, 10)
     leaves = [base.t()[2:9], torch.arange(7), torch.randn(4, 7, requires_grad=True)]
-    plan = [[3, 3, 1][:replicas], [5, 1, 1][:replicas], [4, 2, 1][:replicas]]
-    plan = [p[:-1] + [n - sum(p[:-1])] for p, n in zip(plan, (6, 7, 7))]
+    splits = [[3, 3, 1][:replicas], [5, 1, 1][:replicas], [4, 2, 1][:replicas]]
+    splits = [p[:-1] + [n - sum(p[:-1])] for p, n in zip(splits, (6, 7, 7))]
     dims = [1, 0, 1]
-    flat = comm.split_own_versions(leaves, plan, dims)
+    flat = comm.split_own_versions(leaves, splits, dims)
     n = len(leaves)
     assert len(flat) == replicas * n
-    for i, (leaf, rows, d) in enumerate(zip(leaves, plan, dims)):
+    for i, (leaf, rows, d) in enumerate(zip(leaves, splits, dims)):
         ref = leaf.split_with_sizes(rows, d)
         for r in range(replicas):
             got = flat[r * n + i]

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
+from models import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 EXPERIMENTS = os.path.join(BENCH, "experiments")
 RESULTS = os.path.join(BENCH, "results")

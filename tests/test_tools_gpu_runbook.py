@@ -15,14 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from models import ROOT
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, FASTDP_GPU_DRY_RUN="1", PYTHON=sys.executable)
     return subprocess.run(
-        ["bash", str(ROOT / "tests" / "gpu.sh"), *args],
+        ["bash", str(Path(ROOT) / "tests" / "gpu.sh"), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -43,7 +42,7 @@ def test_quick_check_fits_its_budget_and_time_boxes_every_stage() -> None:
     """The quick check is one device command (at most 10 minutes, 9 asked): the sum of its stage
     caps may exceed the budget (a stage that ends early leaves time to the next), but the budget
     plus a stage's kill grace (10 s) and the summary's limit (20 s) must fit, and every cap."""
-    script = (ROOT / "tests" / "gpu_quick.sh").read_text()
+    script = (Path(ROOT) / "tests" / "gpu_quick.sh").read_text()
     budget = int(re.search(r"GPU_CHECK_BUDGET_S:-(\d+)", script).group(1))
     assert budget + 10 + 20 <= 9 * 60
     caps = re.findall(r"^run_stage ([\w-]+) (\d+) ", script, re.M)
@@ -62,7 +61,7 @@ def test_quick_check_probes_run_and_are_summarised_without_a_gpu(tmp_path: Path)
     summary that reads its record: every probe of the plan has a line."""
     if torch_has_cuda():
         pytest.skip("a GPU machine runs the probes themselves (bash tests/gpu.sh quick)")
-    quick = ROOT / "tests" / "gpu_quick"
+    quick = Path(ROOT) / "tests" / "gpu_quick"
     out = tmp_path / "probes.json"
     r = subprocess.run(
         [sys.executable, str(quick / "run_probes.py"), "--all", "--json", str(out)],

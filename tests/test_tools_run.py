@@ -10,8 +10,7 @@ import sys
 import textwrap
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from models import ROOT
 
 PROBE = """
 import json, os, pickle, sys

@@ -8,11 +8,11 @@
 
 namespace fastdp {
 
-// result[r][i] = leaves[i].narrow(dims[i], offset, plan[i][r]): a view of the leaf, no copy (as
+// result[r][i] = leaves[i].narrow(dims[i], offset, splits[i][r]): a view of the leaf, no copy (as
 // torch: split then .to('cpu') of a CPU tensor returns the view itself). dims are non-negative,
-// plan is validated by the caller (fastdp::scatter_chunks).
+// splits are validated by the caller (fastdp::scatter_chunks).
 std::vector<std::vector<at::Tensor>> scatter_cpu(const std::vector<at::Tensor>& leaves,
-                                                 const std::vector<std::vector<int64_t>>& plan,
+                                                 const std::vector<std::vector<int64_t>>& splits,
                                                  const std::vector<int64_t>& dims);
 
 // The view of chunk `r` of `leaf` (the building block shared with the CUDA implementation).

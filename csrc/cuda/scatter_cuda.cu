@@ -77,7 +77,7 @@ void scatter_from_device(std::vector<ChunkCopy*>& copies, c10::DeviceIndex src,
 }  // namespace
 
 std::vector<std::vector<at::Tensor>> scatter_cuda(const std::vector<at::Tensor>& leaves,
-                                                  const std::vector<std::vector<int64_t>>& plan,
+                                                  const std::vector<std::vector<int64_t>>& splits,
                                                   const std::vector<int64_t>& dims,
                                                   const std::vector<at::Device>& devices) {
   std::vector<at::Device> devs = devices;
@@ -91,9 +91,9 @@ std::vector<std::vector<at::Tensor>> scatter_cuda(const std::vector<at::Tensor>&
   std::vector<ChunkCopy> copies;
   copies.reserve(leaves.size() * devs.size());
   for (size_t i = 0; i < leaves.size(); ++i) {
-    const std::vector<int64_t> offsets = chunk_offsets(plan[i]);
+    const std::vector<int64_t> offsets = chunk_offsets(splits[i]);
     for (size_t r = 0; r < devs.size(); ++r) {
-      at::Tensor chunk = chunk_view(leaves[i], dims[i], plan[i], offsets, r);
+      at::Tensor chunk = chunk_view(leaves[i], dims[i], splits[i], offsets, r);
       if (devs[r] == leaves[i].device()) {
         result[r][i] = std::move(chunk);  // stays: a view, as torch
       } else if (devs[r].is_cpu()) {

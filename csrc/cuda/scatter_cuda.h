@@ -15,7 +15,7 @@ namespace fastdp {
 // launch and sent by one peer copy. Results are ordered on each destination's current stream (NOTE
 // [ Stream order of host copies ]). CUDA leaves bound for the CPU are copied with Tensor.to.
 std::vector<std::vector<at::Tensor>> scatter_cuda(const std::vector<at::Tensor>& leaves,
-                                                  const std::vector<std::vector<int64_t>>& plan,
+                                                  const std::vector<std::vector<int64_t>>& splits,
                                                   const std::vector<int64_t>& dims,
                                                   const std::vector<at::Device>& devices);
 

@@ -22,7 +22,7 @@
 
 #include "copy_layout.h"
 #include "cuda/pinned_pool.h"
-#include "host_copy_plan.h"
+#include "host_copy_route.h"
 
 namespace fastdp {
 namespace {
@@ -30,7 +30,7 @@ namespace {
 // NOTE [ Stream order of host copies ]
 // Pinned chunks are copied on the destination's current stream, as torch's .to() copies them, and
 // never read by the host: one DMA per dense chunk, a 2-D DMA for one strided level, else the
-// source's span and a device copy, or rows one by one (plan_host_copy). A batch still being filled
+// source's span and a device copy, or rows one by one (route_host_copy). A batch still being filled
 // by a non_blocking copy on that stream is read after it lands, and a capture replays the current
 // bytes; torch's host allocator records the stream on the source's block. Host writes into the
 // source after the call race with the DMA, as they do with torch's non_blocking copies. Pageable
@@ -53,7 +53,7 @@ int64_t max_pitch(c10::DeviceIndex device) {
   return known[device] = pitch;
 }
 
-void h2d(char* dst, const char* src, const HostCopyPlan& p, int64_t so, int64_t d0,
+void h2d(char* dst, const char* src, const HostCopyRoute& p, int64_t so, int64_t d0,
          const c10::cuda::CUDAStream& stream) {
   if (p.spitch == 0) {
     C10_CUDA_CHECK(cudaMemcpyAsync(dst + d0, src + so, p.width, cudaMemcpyHostToDevice, stream));
@@ -69,14 +69,14 @@ void copy_pinned(const ChunkCopy& c, at::Tensor& out, char* dst,
   const at::Tensor& src = c.chunk;
   const int64_t item = src.element_size();
   const char* from = static_cast<const char*>(src.storage().data()) + src.storage_offset() * item;
-  const HostCopyPlan p =
-      plan_host_copy(src.sizes().vec(), src.strides().vec(), c.strides, item, pitch_limit);
-  if (p.kind == HostCopyPlan::kSpan) {
+  const HostCopyRoute p =
+      route_host_copy(src.sizes().vec(), src.strides().vec(), c.strides, item, pitch_limit);
+  if (p.kind == HostCopyRoute::kSpan) {
     const at::Tensor scratch = byte_buffer(p.span, stream.device_index());  // for this stream
     C10_CUDA_CHECK(cudaMemcpyAsync(scratch.data_ptr(), from, p.span, cudaMemcpyHostToDevice,
                                    stream));
     out.copy_(view_into(scratch, 0, src.scalar_type(), src.sizes(), src.strides()));
-  } else if (p.kind == HostCopyPlan::kRows) {
+  } else if (p.kind == HostCopyRoute::kRows) {
     const size_t n = p.outer_sizes.size();
     std::vector<int64_t> idx(n, 0);
     for (;;) {

@@ -15,16 +15,16 @@ from collections.abc import Callable
 
 import torch
 
-from fastdp.bench import machine, plots, report, suite_compile, suites_cpu, suites_gpu
+from fastdp.bench import machine, plots, report, suite_compile, suite_zero, suites_cpu, suites_gpu
 from fastdp.bench.runner import Settings, Task, run_tasks, threads
 
-CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build")
+CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build", "zero")
 GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
 MULTI_SUITES = ("multigpu-comm", "multigpu-replicate", "multigpu-steps")
 OPT_SUITES = ("compile",)  # only on request: compiling takes minutes
 ALL_SUITES = CPU_SUITES + GPU_SUITES + MULTI_SUITES + OPT_SUITES
 
-_PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
+_SUITE_TASKS: dict[str, Callable[[Settings], list[Task]]] = {
     "passthrough": suites_cpu.passthrough,
     "cpu-replicas": suites_cpu.cpu_replicas,
     "overhead": suites_cpu.overhead_tasks,
@@ -38,6 +38,7 @@ _PLANNERS: dict[str, Callable[[Settings], list[Task]]] = {
     "multigpu-replicate": lambda s: suites_gpu.replicate_gpu_tasks(s, multi=True),
     "multigpu-steps": lambda s: suites_gpu.step_tasks(s, multi=True),
     "compile": suite_compile.compile_tasks,
+    "zero": suite_zero.zero_tasks,
 }
 
 
@@ -62,7 +63,7 @@ def why_not(suite: str) -> str | None:
 def auto_suites() -> list[str]:
     if _gpus() == 0:
         return list(CPU_SUITES)
-    chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build"]
+    chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build", "zero"]
     return chosen + (list(MULTI_SUITES) if _gpus() >= 2 else [])
 
 
@@ -144,7 +145,7 @@ def _note(msg: str) -> None:
     print(f"fastdp.bench: {msg}", file=sys.stderr)
 
 
-def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
+def _tasks(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
     """The suites that run here, those skipped (with why), their tasks, and the profiles."""
     wanted = list(dict.fromkeys(args.suite))
     if "auto" in wanted or "all" in wanted:
@@ -159,12 +160,12 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Tas
     tasks: list[Task] = []
     for s in suites:
         profile = profiles["gpu" if s in GPU_SUITES + MULTI_SUITES else "cpu"]
-        tasks += _PLANNERS[s](settings(profile, args.repeats, replicas))
+        tasks += _SUITE_TASKS[s](settings(profile, args.repeats, replicas))
     return suites, skipped, tasks, {**profiles, "replicas": list(replicas)}
 
 
 def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
-    suites, skipped, tasks, profiles = _plan(args)
+    suites, skipped, tasks, profiles = _tasks(args)
     meta = machine.describe(argv)
     load = machine.load_average()
     if load is not None and load > 0.5 * (os.cpu_count() or 1):

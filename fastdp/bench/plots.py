@@ -17,7 +17,7 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-from fastdp.bench.report import LAUNCH_MODES, STEP_SUITES, by_mode, launch_rows, med
+from fastdp.bench.report import LAUNCH_MODES, STEP_SUITES, by_mode, launch_entries, med
 
 # Okabe & Ito, "Color Universal Design": distinct under the common colour-vision deficiencies.
 OKABE_ITO = {
@@ -128,7 +128,7 @@ def _devkey(r: dict) -> str:
     return f"{len(d)} replica{'s' if len(d) > 1 else ''} on {d[0]}"
 
 
-def _row_bars(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:
+def _bar_group(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:
     """Horizontal bars from ``y0`` down, one per (label, value, colour, text); value printed (no
     value: the text alone at the left edge)."""
     left = ax.get_yaxis_transform()
@@ -182,7 +182,7 @@ def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> 
             v = med(r) / unit if r and unit else None
             text = times(v) if v is not None else (r or {}).get("status", "-")
             bars.append((LABELS[m], v, COLORS[m], text))
-        _row_bars(ax, y0, bars)
+        _bar_group(ax, y0, bars)
         mid = y0 + (len(modes) - 1) * BAR_IN / 2
         if unit_name == "floor" and g.get("bare") and unit:
             bare = med(g["bare"]) / unit
@@ -209,12 +209,12 @@ def steps_figure(records: list[dict], suite: str):
         recs, lambda r: (r.get("replicas"), r.get("workload"), r.get("input"), r.get("step"))
     )
     modes = [m for m in HEADLINE_MODES if any(r["mode"] == m for r in recs)]
-    rows = {p: [k for k in groups if k[0] == p] for p in panels}
-    heights = [len(rows[p]) * (len(modes) + 1) * BAR_IN + 0.9 for p in panels]
+    entries = {p: [k for k in groups if k[0] == p] for p in panels}
+    heights = [len(entries[p]) * (len(modes) + 1) * BAR_IN + 0.9 for p in panels]
     size = {"figsize": (WIDTH_IN, sum(heights) + 1.6), "gridspec_kw": {"height_ratios": heights}}
     fig, axes = plt().subplots(len(panels), 1, squeeze=False, **size)
     for ax, panel in zip(axes[:, 0], panels):
-        _steps_panel(ax, groups, rows[panel], modes, suite)
+        _steps_panel(ax, groups, entries[panel], modes, suite)
     legend_below(fig, axes[:, 0])
     fig.suptitle(
         f"{suite}: forward and training step time against the bare module and nn.DataParallel"
@@ -227,14 +227,16 @@ def steps_figure(records: list[dict], suite: str):
 
 def launch_figure(records: list[dict]):
     """Each launch strategy's step time in units of the chunked floor; auto's pick printed."""
-    rows = [r for r in launch_rows(records) if r.get("floor_ms") and (r.get("replicas") or 0) > 1]
-    if not rows:
+    entries = [
+        r for r in launch_entries(records) if r.get("floor_ms") and (r.get("replicas") or 0) > 1
+    ]
+    if not entries:
         return None
-    suites = {r["suite"] for r in rows}
+    suites = {r["suite"] for r in entries}
     per = len(LAUNCH_MODES) + 1
-    fig, ax = plt().subplots(figsize=(WIDTH_IN, len(rows) * per * BAR_IN + 2.2))
+    fig, ax = plt().subplots(figsize=(WIDTH_IN, len(entries) * per * BAR_IN + 2.2))
     ticks = []
-    for i, r in enumerate(rows):
+    for i, r in enumerate(entries):
         y0 = i * per * BAR_IN
         bars = []
         for mode, name in LAUNCH_MODES.items():
@@ -244,12 +246,12 @@ def launch_figure(records: list[dict]):
                 pick = r.get("auto_pick")
                 text += f"  (auto -> {pick if isinstance(pick, str) else 'mixed'})"
             bars.append((name, v, COLORS[mode], text))
-        _row_bars(ax, y0, bars)
+        _bar_group(ax, y0, bars)
         where = f"{r['suite']}: " if len(suites) > 1 else ""
         text = f"{where}{r['workload']}, {r['replicas']} replicas\nfloor {r['floor_ms']:.3g} ms"
         ticks.append((y0 + BAR_IN, text))
     xlabel = "step time / chunked floor (lower is better)"
-    _bar_axes(ax, ticks, len(rows) * per, xlabel, LABELS["floor"], 1.25)
+    _bar_axes(ax, ticks, len(entries) * per, xlabel, LABELS["floor"], 1.25)
     legend_below(fig, [ax])
     fig.suptitle("Launch strategies: training step time in units of the chunked floor")
     finish(fig, 0.7)
@@ -425,8 +427,8 @@ def bandwidth_figure(records: list[dict], suite: str):
     ops = [o for o in dict.fromkeys(r["op"] for r in recs) if not o.startswith("limit")]
     if not ops:
         return None
-    rows = (len(ops) + 2) // 2  # two columns: a panel per collective, then the fraction panel
-    fig, axes = plt().subplots(rows, 2, figsize=(WIDTH_IN, 3.6 * rows + 1.2), squeeze=False)
+    down = (len(ops) + 2) // 2  # two columns: a panel per collective, then the fraction panel
+    fig, axes = plt().subplots(down, 2, figsize=(WIDTH_IN, 3.6 * down + 1.2), squeeze=False)
     flat = list(axes.flat)
     for ax, op in zip(flat, ops):
         _bandwidth_panel(ax, recs, op)

@@ -80,16 +80,16 @@ def add_ratios(records: list[dict]) -> None:
             r["ratios"] = {k: v for k, v in rat.items() if v is not None}
 
 
-def _replicate_rows(records: list[dict]) -> list[dict]:
+def _replicate_entries(records: list[dict]) -> list[dict]:
     """Per depth: fastdp's steady-state ``replicate()`` against DataParallel's algorithm."""
     timed = [r for r in records if r.get("suite") == "replicate" and med(r) is not None]
-    rows = []
+    entries = []
     for layers, g in sorted(by_mode(timed, lambda r: r["layers"]).items()):
         f, d = g.get("fastdp"), g.get("dp_algo")
         if f and d:
-            row = dict(layers=layers, replicas=f["replicas"], fastdp_ms=med(f), dp_algo_ms=med(d))
-            rows.append({**row, "ratio": med(f) / med(d)})
-    return rows
+            entry = dict(layers=layers, replicas=f["replicas"], fastdp_ms=med(f), dp_algo_ms=med(d))
+            entries.append({**entry, "ratio": med(f) / med(d)})
+    return entries
 
 
 # The fields each headline row copies from its record (then ``step_ms``, the median)
@@ -107,10 +107,10 @@ def headline(records: list[dict]) -> dict:
     overhead = [r for r in timed if r.get("suite", "").startswith("overhead")]
     steps = [r for r in timed if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp"]
     out = {
-        "replicate_cpu": _replicate_rows(records),
+        "replicate_cpu": _replicate_entries(records),
         "overhead": [_copy(r, OVERHEAD_FIELDS) for r in overhead if r["mode"] != "model_chunks"],
         "steps_fastdp": [_copy(r, STEP_FIELDS, **r.get("ratios", {})) for r in steps],
-        "launch": launch_rows(records),
+        "launch": launch_entries(records),
     }
     out = {k: v for k, v in out.items() if v}
     out["not_ok"] = [
@@ -125,7 +125,7 @@ def headline(records: list[dict]) -> dict:
 LAUNCH_MODES = {"fastdp_threads": "threads", "fastdp_inline": "inline", "fastdp": "auto"}
 
 
-def launch_rows(records: list[dict]) -> list[dict]:
+def launch_entries(records: list[dict]) -> list[dict]:
     """Per step configuration: the floor and each launch strategy (ms, x floor), auto's pick, and
     auto / threads, all from this run's medians."""
 
@@ -134,20 +134,20 @@ def launch_rows(records: list[dict]) -> list[dict]:
             return (r["suite"], r.get("workload"), r.get("input"), r.get("replicas"))
         return None
 
-    rows = []
+    entries = []
     for (suite, workload, inp, n), g in by_mode(records, key).items():
         floor = g.get("floor") or g.get("model_chunks")
         if not floor or med(floor) is None or not any(m in g for m in LAUNCH_MODES):
             continue
-        row = dict(suite=suite, workload=workload, input=inp, replicas=n, floor_ms=med(floor))
+        entry = dict(suite=suite, workload=workload, input=inp, replicas=n, floor_ms=med(floor))
         for m, name in LAUNCH_MODES.items():
-            row[f"{name}_ms"] = med(g.get(m, {}))
-            row[f"{name}_x_floor"] = _ratio(med(g.get(m, {})), med(floor))
+            entry[f"{name}_ms"] = med(g.get(m, {}))
+            entry[f"{name}_x_floor"] = _ratio(med(g.get(m, {})), med(floor))
         picks = [p["choice"] for p in g.get("fastdp", {}).get("launch_pick") or []]
-        row["auto_pick"] = picks[0] if len(set(picks)) == 1 else (picks or None)
-        row["auto_x_threads"] = _ratio(row["auto_ms"], row["threads_ms"])
-        rows.append(row)
-    return rows
+        entry["auto_pick"] = picks[0] if len(set(picks)) == 1 else (picks or None)
+        entry["auto_x_threads"] = _ratio(entry["auto_ms"], entry["threads_ms"])
+        entries.append(entry)
+    return entries
 
 
 def _fmt(v: object, nd: int = 3) -> str:
@@ -160,8 +160,8 @@ def _fmt(v: object, nd: int = 3) -> str:
     return str(v)
 
 
-def _table(title: str, headers: list[str], rows: list[list]) -> str:
-    cells = [[_fmt(c) for c in row] for row in rows]
+def _table(title: str, headers: list[str], entries: list[list]) -> str:
+    cells = [[_fmt(c) for c in entry] for entry in entries]
     w = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w[i]) for i, h in enumerate(headers))
     body = [
@@ -232,6 +232,18 @@ def _bytes(n: int | None) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def _maybe_bytes(n: int | None) -> str:
+    return "-" if n is None else _bytes(n) if n >= 1 << 10 else f"{n} B"
+
+
+def _per_index(r: dict) -> str:
+    return " ".join(_maybe_bytes(b) for b in r.get("optimizer_bytes") or []) or "-"
+
+
+def _zero_copies(r: dict) -> str:
+    return _maybe_bytes(r.get("zero_copy_bytes_per_step"))
+
+
 Field = str | Callable[[dict], object]
 
 
@@ -290,6 +302,14 @@ SECTIONS: dict[str, tuple[str, list[tuple[str, Field]]]] = {
         + [("x eager", "ratios.vs_fastdp_eager"), ("first step s", "first_step_s")]
         + [("frames", "frames_first_step"), ("recompiles/20", "recompiles_20_steps")],
     ),
+    "zero": (
+        "ZeroRedundancyOptimizer (AdamW) against the unsharded AdamW: training step ms (forward, "
+        "backward, optimizer step) and the optimizer step alone; optimizer state per replica index",
+        [WORKLOAD, ("storage", "storage"), DEVICES, RAW_MODE, STATUS, MEDIAN, MIN, X_FLOOR]
+        + [("x unsharded", "ratios.vs_unsharded"), ("state per index", _per_index)]
+        + [("index 0 share", "index0_share"), ("copied/step", _zero_copies)]
+        + [("reduce+refresh/step", lambda r: _maybe_bytes(r.get("reduce_refresh_bytes_per_step")))],
+    ),
     "module-build": (
         "Building nn.Sequential(Linear(32, 32) x layers) while a persistent wrapper "
         "is alive vs with none, ms (NOTE [ Replica invalidation ])",
@@ -311,12 +331,12 @@ def format_tables(records: list[dict]) -> str:
     parts = [] if records else ["(nothing was measured: no requested suite can run here)"]
     for suite in order:
         title, cols = SECTIONS.get(SECTION_OF.get(suite, suite), SECTIONS["steps"])
-        rows = [
+        entries = [
             [_get(r, field) for _, field in cols]
             for r in records
             if r.get("suite") == suite and r.get("status") != "unsupported"
         ]
-        parts.append(_table(f"{suite}: {title}", [h for h, _ in cols], rows))
+        parts.append(_table(f"{suite}: {title}", [h for h, _ in cols], entries))
 
     def where(r: dict) -> str:
         return f"{r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} {_devs(r)}"

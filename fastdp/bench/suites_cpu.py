@@ -28,7 +28,7 @@ from fastdp.bench.runner import (
 
 # What each profile runs: workloads (the sizes come from workloads.catalogue(profile)), and for
 # ``replicate`` layer counts.
-PLAN = {
+RUNS = {
     "tiny": {
         "passthrough": "mlp10",
         "cpu-replicas": "mlp10 mlp10-dict16 wide8",
@@ -51,8 +51,8 @@ PLAN = {
 WIDE_REPLICAS = (2,)  # the compute-bound workload: 2 CPU replicas, one per core
 
 
-def plan(profile: str, suite: str) -> list:
-    names = PLAN.get(profile, PLAN["cpu"])[suite].split()
+def what_runs(profile: str, suite: str) -> list:
+    names = RUNS.get(profile, RUNS["cpu"])[suite].split()
     return [int(k) for k in names] if suite == "replicate" else names
 
 
@@ -66,7 +66,7 @@ def passthrough(s: Settings) -> list[Task]:
     if torch.cuda.is_available():  # FastDataParallel(m) would take every GPU: not a pass-through
         return []
     cat = wl.catalogue(s.profile)
-    names = plan(s.profile, "passthrough")
+    names = what_runs(s.profile, "passthrough")
 
     def run(w: wl.Workload, step: str) -> list[dict]:
         model, args = wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
@@ -117,7 +117,7 @@ def cpu_replicas(s: Settings) -> list[Task]:
 
     return [
         Task("cpu-replicas", f"{name} x{n}", lambda w=cat[name], n=n: run(w, n))
-        for name in plan(s.profile, "cpu-replicas")
+        for name in what_runs(s.profile, "cpu-replicas")
         for n in (WIDE_REPLICAS if name == "wide8" else s.replicas)
     ]
 
@@ -140,7 +140,7 @@ def overhead_tasks(
     needs more than one value per channel). Counted with the hook on, then timed interleaved with
     fresh wrappers and the hook off."""
     cat = wl.catalogue(s.profile)
-    names = plan(s.profile, "overhead")
+    names = what_runs(s.profile, "overhead")
     cuda = device == "cuda"
     dev = "cuda:0" if cuda else "cpu"
     ids = 0 if cuda else "cpu"
@@ -276,7 +276,7 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
     """Steady-state ``replicate()`` on ``n`` CPU replicas, ``FastDataParallel.replicate`` vs
     DataParallel's algorithm, in training mode with grad enabled; each timed call followed,
     untimed, by a backward through the replicas (``consume_graph``)."""
-    layers = layers or plan(s.profile, "replicate")
+    layers = layers or what_runs(s.profile, "replicate")
 
     def run(k: int) -> list[dict]:
         torch.manual_seed(0)

@@ -111,8 +111,8 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
 
     def run(size: int) -> list[dict]:
         n = len(devices)
-        rows = max(n * 16, 64)
-        x = torch.randn(rows, size // 4 // rows, device=devs[0])
+        batch = max(n * 16, 64)
+        x = torch.randn(batch, size // 4 // batch, device=devs[0])
         ops, tensors = _comm_ops(x, ids(devices), devs)
         recs: dict[tuple, dict] = {}
         fns: dict[tuple, Callable] = {}

@@ -207,8 +207,8 @@ class CallCounter:
         def where(c) -> str:
             return f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}"
 
-        rows = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
-        return [[where(c), k / self._steps] for c, k in rows]
+        entries = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
+        return [[where(c), k / self._steps] for c, k in entries]
 
     def area_counts(self) -> dict[str, float]:
         """Calls per step outside the model in each area during the last ``counted``."""

@@ -98,13 +98,13 @@ def capture_scatter_paths():
     res = {}
     devs = [torch.device("cuda", 0)] * 2
     pinned, pageable = torch.randn(32, 16).pin_memory(), torch.randn(32, 16)
-    plan = [[16, 16], [16, 16]]
-    fcomm.scatter_leaves([pinned, pageable], devs, plan, [0, 0])
+    splits = [[16, 16], [16, 16]]
+    fcomm.scatter_leaves([pinned, pageable], devs, splits, [0, 0])
     _sync()
     g = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(g):
-            fcomm.scatter_leaves([pinned, pageable], devs, plan, [0, 0])
+            fcomm.scatter_leaves([pinned, pageable], devs, splits, [0, 0])
         res["mixed"] = "captured (expected the clear error)"
     except Exception as e:  # noqa: BLE001
         res["mixed"] = _err(e)

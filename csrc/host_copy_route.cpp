@@ -1,4 +1,4 @@
-#include "host_copy_plan.h"
+#include "host_copy_route.h"
 
 #include <algorithm>
 #include <numeric>
@@ -27,11 +27,11 @@ struct Level {
 
 }  // namespace
 
-HostCopyPlan plan_host_copy(const std::vector<int64_t>& sizes,
+HostCopyRoute route_host_copy(const std::vector<int64_t>& sizes,
                             const std::vector<int64_t>& src_strides,
                             const std::vector<int64_t>& dst_strides, int64_t itemsize,
                             int64_t max_pitch) {
-  HostCopyPlan p;
+  HostCopyRoute p;
   int64_t numel = 1, span = itemsize;
   for (size_t k = 0; k < sizes.size(); ++k) {
     numel *= sizes[k];
@@ -63,14 +63,14 @@ HostCopyPlan plan_host_copy(const std::vector<int64_t>& sizes,
   const bool fits = l0.s <= max_pitch && l0.d <= max_pitch;
   const bool wide = width >= kMin2DRowBytes;
   if (levels.size() == 1 && fits && wide) {
-    p.kind = HostCopyPlan::k2D;
+    p.kind = HostCopyRoute::k2D;
     p.height = l0.size;
     p.spitch = l0.s;
     p.dpitch = l0.d;
     return p;
   }
   if ((!wide || levels.size() > 1) && span <= kMaxSpanRatio * nbytes) {
-    p.kind = HostCopyPlan::kSpan;
+    p.kind = HostCopyRoute::kSpan;
     return p;
   }
   // Rows: a 2-D copy of the innermost level per outer index; rows one by one where its pitch is
@@ -86,7 +86,7 @@ HostCopyPlan plan_host_copy(const std::vector<int64_t>& sizes,
     p.outer_sstrides.push_back(levels[k].s);
     p.outer_dstrides.push_back(levels[k].d);
   }
-  p.kind = p.outer_sizes.empty() ? HostCopyPlan::k2D : HostCopyPlan::kRows;
+  p.kind = p.outer_sizes.empty() ? HostCopyRoute::k2D : HostCopyRoute::kRows;
   return p;
 }
 

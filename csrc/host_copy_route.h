@@ -1,6 +1,6 @@
 #pragma once
 // The host-side decisions of copies from host memory to a GPU, pure and compiled in every build
-// (tested on the CPU through fastdp._C._host_copy_plan and _C._stage_rows): how a pinned chunk is
+// (tested on the CPU through fastdp._C._host_copy_route and _C._stage_rows): how a pinned chunk is
 // copied without a host temporary, and which rows a pageable chunk is staged by.
 // See NOTE [ Stream order of host copies ] in cuda/scatter_host_cuda.cu.
 
@@ -24,7 +24,7 @@ constexpr int64_t kMaxSpanRatio = 4;
 //           of `width` bytes): for pitches above `max_pitch` or a span too wide;
 //   kSpan   the `span` source bytes (from the chunk's first element) in one copy to a device
 //           scratch, then a device copy into the region: narrow rows, several strided levels.
-struct HostCopyPlan {
+struct HostCopyRoute {
   enum Kind { kDense, k2D, kRows, kSpan } kind = kDense;
   int64_t width = 0, height = 1, spitch = 0, dpitch = 0;  // bytes
   int64_t span = 0;                                       // bytes
@@ -32,10 +32,10 @@ struct HostCopyPlan {
   std::vector<int64_t> outer_sizes, outer_sstrides, outer_dstrides;
 };
 
-// The plan for a chunk of `itemsize`-byte elements; `max_pitch`: the device's largest pitch of a
+// The route of a chunk of `itemsize`-byte elements; `max_pitch`: the device's largest pitch of a
 // 2-D copy (cudaDevAttrMaxPitch). Dims of size 1 are ignored and dims that are adjacent in both
 // layouts merged, so most slices and channels_last chunks are one 2-D copy.
-HostCopyPlan plan_host_copy(const std::vector<int64_t>& sizes,
+HostCopyRoute route_host_copy(const std::vector<int64_t>& sizes,
                             const std::vector<int64_t>& src_strides,
                             const std::vector<int64_t>& dst_strides, int64_t itemsize,
                             int64_t max_pitch);

@@ -1,7 +1,7 @@
-"""The host-side decisions of host-to-GPU copies (csrc/host_copy_plan.h), in any build.
+"""The host-side decisions of host-to-GPU copies (csrc/host_copy_route.h), in any build.
 
-``_C._host_copy_plan``: how a pinned chunk is copied without a host temporary (NOTE [ Stream order
-of host copies ]); each plan is replayed here on bytes, as the DMAs would move them, and compared
+``_C._host_copy_route``: how a pinned chunk is copied without a host temporary (NOTE [ Stream order
+of host copies ]); each route is replayed here on bytes, as the DMAs would move them, and compared
 with the chunk. ``_C._stage_rows``: the rows a pageable chunk is packed by, never wider than the
 staging window. The GPU halves are in tests/test_gpu_pool_and_streams.py.
 """
@@ -20,7 +20,7 @@ from fastdp import _backend
 
 ext = _backend.ext()
 pytestmark = pytest.mark.skipif(
-    ext is None or not hasattr(ext, "_host_copy_plan"), reason="needs fastdp._C with the plans"
+    ext is None or not hasattr(ext, "_host_copy_route"), reason="needs fastdp._C with the routes"
 )
 MiB = 1 << 20
 PITCH = (1 << 31) - 1  # cudaDevAttrMaxPitch on current GPUs
@@ -31,15 +31,15 @@ def dst_strides(chunk: torch.Tensor) -> list[int]:
     return list(torch.empty_like(chunk, memory_format=torch.preserve_format).stride())
 
 
-def plan_of(chunk: torch.Tensor, max_pitch: int = PITCH) -> dict:
-    return ext._host_copy_plan(
+def route_of(chunk: torch.Tensor, max_pitch: int = PITCH) -> dict:
+    return ext._host_copy_route(
         list(chunk.shape), list(chunk.stride()), dst_strides(chunk), chunk.element_size(),
         max_pitch,
     )  # fmt: skip
 
 
-def replay(chunk: torch.Tensor, plan: dict, max_pitch: int = PITCH) -> torch.Tensor:
-    """The destination's bytes after the plan's copies (span: its source bytes, then the device
+def replay(chunk: torch.Tensor, route: dict, max_pitch: int = PITCH) -> torch.Tensor:
+    """The destination's bytes after the route's copies (span: its source bytes, then the device
     copy, which is torch's)."""
     item = chunk.element_size()
     src = chunk.untyped_storage()
@@ -47,18 +47,18 @@ def replay(chunk: torch.Tensor, plan: dict, max_pitch: int = PITCH) -> torch.Ten
     host = torch.frombuffer(bytearray(bytes(src)), dtype=torch.uint8)
     nbytes = chunk.numel() * item
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    if plan["kind"] == "span":
-        assert base + plan["span"] <= src.nbytes() and plan["span"] <= 4 * nbytes
+    if route["kind"] == "span":
+        assert base + route["span"] <= src.nbytes() and route["span"] <= 4 * nbytes
         last = sum((n - 1) * s for n, s in zip(chunk.shape, chunk.stride())) * item + item
-        assert plan["span"] == last  # covers the chunk's last byte, and no more
+        assert route["span"] == last  # covers the chunk's last byte, and no more
         out = torch.empty_strided(chunk.shape, dst_strides(chunk), dtype=chunk.dtype)
         out.copy_(chunk)
         return torch.frombuffer(bytearray(bytes(out.untyped_storage())), dtype=torch.uint8)
-    w, h, sp, dp = plan["width"], plan["height"], plan["spitch"], plan["dpitch"]
-    outer = plan["outer_sizes"]
+    w, h, sp, dp = route["width"], route["height"], route["spitch"], route["dpitch"]
+    outer = route["outer_sizes"]
     for idx in itertools.product(*[range(n) for n in outer]):
-        so = base + sum(i * s for i, s in zip(idx, plan["outer_sstrides"]))
-        do = sum(i * s for i, s in zip(idx, plan["outer_dstrides"]))
+        so = base + sum(i * s for i, s in zip(idx, route["outer_sstrides"]))
+        do = sum(i * s for i, s in zip(idx, route["outer_dstrides"]))
         for r in range(h if sp else 1):
             assert sp <= max_pitch and dp <= max_pitch
             dst[do + r * dp : do + r * dp + w] = host[so + r * sp : so + r * sp + w]
@@ -75,7 +75,7 @@ def cl(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).contiguous(memory_format=torch.channels_last)
 
 
-# (label, source, dim, number of chunks, kind of chunk 0's plan)
+# (label, source, dim, number of chunks, kind of chunk 0's route)
 CASES = [
     ("dense dim0", lambda: torch.randn(64, 96), 0, 2, "dense"),
     ("wide rows dim1", lambda: torch.randn(64, 1024), 1, 2, "2d"),
@@ -96,31 +96,31 @@ CASES = [
 @pytest.mark.parametrize("label,make,dim,n,kind", CASES, ids=[c[0] for c in CASES])
 def test_pinned_chunks_are_copied_by_dma_without_a_host_temporary(label, make, dim, n, kind):
     for chunk in make().chunk(n, dim):
-        plan = plan_of(chunk)
-        assert plan["kind"] in ("dense", "2d", "rows", "span")
-        assert torch.equal(replay(chunk, plan), expected(chunk)), (label, plan)
-    assert plan_of(make().chunk(n, dim)[0])["kind"] == kind
+        route = route_of(chunk)
+        assert route["kind"] in ("dense", "2d", "rows", "span")
+        assert torch.equal(replay(chunk, route), expected(chunk)), (label, route)
+    assert route_of(make().chunk(n, dim)[0])["kind"] == kind
 
 
 def test_narrow_rows_are_not_a_2d_copy() -> None:
     for cols in (1, 2, 4, 16, 32):
-        plan = plan_of(torch.randn(4096, 2 * cols)[:, :cols])  # rows of 4 to 128 bytes
-        assert plan["kind"] == "span" and plan["width"] == cols * 4
-    assert plan_of(torch.randn(4096, 64)[:, :64])["kind"] == "dense"
+        route = route_of(torch.randn(4096, 2 * cols)[:, :cols])  # rows of 4 to 128 bytes
+        assert route["kind"] == "span" and route["width"] == cols * 4
+    assert route_of(torch.randn(4096, 64)[:, :64])["kind"] == "dense"
 
 
 def test_narrow_rows_far_apart_stay_a_2d_copy() -> None:
     """A span more than 4x the chunk's bytes is not worth moving: the 2-D copy, slow but right."""
-    plan = plan_of(torch.randn(4096, 64)[:, :1])
-    assert plan["kind"] == "2d" and plan["width"] == 4 and plan["height"] == 4096
+    route = route_of(torch.randn(4096, 64)[:, :1])
+    assert route["kind"] == "2d" and route["width"] == 4 and route["height"] == 4096
 
 
 def test_a_pitch_above_the_devices_maximum_is_copied_row_by_row() -> None:
     args = ([2, 1 << 30], [1 << 31, 1], [1 << 30, 1], 1)
-    plan = ext._host_copy_plan(*args, PITCH)
-    assert plan["kind"] == "rows" and plan["spitch"] == 0 and plan["width"] == 1 << 30
-    assert plan["outer_sizes"] == [2] and plan["outer_sstrides"] == [1 << 31]
-    assert ext._host_copy_plan(*args, 1 << 32)["kind"] == "2d"  # a device that allows it
+    route = ext._host_copy_route(*args, PITCH)
+    assert route["kind"] == "rows" and route["spitch"] == 0 and route["width"] == 1 << 30
+    assert route["outer_sizes"] == [2] and route["outer_sstrides"] == [1 << 31]
+    assert ext._host_copy_route(*args, 1 << 32)["kind"] == "2d"  # a device that allows it
 
 
 @settings(max_examples=60, deadline=None)
@@ -128,7 +128,7 @@ def test_a_pitch_above_the_devices_maximum_is_copied_row_by_row() -> None:
     shape=st.lists(st.integers(1, 6), min_size=1, max_size=4),
     data=st.data(),
 )
-def test_every_plan_moves_the_chunks_bytes(shape, data) -> None:
+def test_every_route_moves_the_chunks_bytes(shape, data) -> None:
     base = torch.arange(math.prod(shape) * 8, dtype=torch.int16).view(*shape[:-1], shape[-1] * 8)
     stops = [data.draw(st.integers(1, n)) for n in base.shape]
     view = base[tuple(slice(0, s) for s in stops)]
@@ -137,8 +137,8 @@ def test_every_plan_moves_the_chunks_bytes(shape, data) -> None:
     dim = data.draw(st.integers(0, view.dim() - 1))
     for chunk in view.chunk(2, dim):
         pitch = data.draw(st.sampled_from([PITCH, 64]))
-        plan = plan_of(chunk, max_pitch=pitch)
-        assert torch.equal(replay(chunk, plan, pitch), expected(chunk)), plan
+        route = route_of(chunk, max_pitch=pitch)
+        assert torch.equal(replay(chunk, route, pitch), expected(chunk)), route
 
 
 # ------------------------------------------------------------------ pageable staging rows
