@@ -15,16 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from fastdp.bench import (
-    machine,
-    plots,
-    report,
-    suite_compile,
-    suite_zero,
-    suites_cpu,
-    suites_gpu,
-)
-from fastdp.bench.runner import Settings, Task, run_tasks
+from fastdp.bench import machine, plots, report, suite_compile, suite_zero, suites_cpu, suites_gpu
+from fastdp.bench.runner import Settings, Task, run_tasks, threads
 
 CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build", "zero")
 GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
@@ -50,9 +42,13 @@ _SUITE_TASKS: dict[str, Callable[[Settings], list[Task]]] = {
 }
 
 
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def why_not(suite: str) -> str | None:
     """Why ``suite`` cannot run on this machine, or None."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _gpus()
     if suites_gpu.DRY_RUN and suite in GPU_SUITES + MULTI_SUITES and suite != "overhead-cuda":
         return None
     if suite == "passthrough" and gpus:
@@ -65,11 +61,10 @@ def why_not(suite: str) -> str | None:
 
 
 def auto_suites() -> list[str]:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 0:
+    if _gpus() == 0:
         return list(CPU_SUITES)
     chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build", "zero"]
-    return chosen + (list(MULTI_SUITES) if gpus >= 2 else [])
+    return chosen + (list(MULTI_SUITES) if _gpus() >= 2 else [])
 
 
 def settings(profile: str, repeats: int | None, replicas: tuple[int, ...]) -> Settings:
@@ -103,6 +98,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--suite",
         nargs="+",
         default=["auto"],
+        choices=("auto", "all", *ALL_SUITES),
         metavar="SUITE",
         help=f"auto (by hardware), all, or any of: {', '.join(ALL_SUITES)}",
     )
@@ -129,11 +125,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    for s in args.suite:
-        if s not in ALL_SUITES + ("auto", "all"):
-            p.error(f"unknown suite {s!r}; choose from auto, all, {', '.join(ALL_SUITES)}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -141,13 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
-    threads = torch.get_num_threads()
     suites_gpu.DRY_RUN = args.gpu_dry_run
-    torch.set_num_threads(args.threads)
     try:
-        return _run(args, argv, t_start)
+        with threads(args.threads):
+            return _run(args, argv, t_start)
     finally:
-        torch.set_num_threads(threads)
         suites_gpu.DRY_RUN = False
 
 
@@ -157,21 +147,15 @@ def _note(msg: str) -> None:
 
 def _tasks(args: argparse.Namespace) -> tuple[list[str], dict[str, str], list[Task], dict]:
     """The suites that run here, those skipped (with why), their tasks, and the profiles."""
-    wanted = (
-        auto_suites()
-        if "auto" in args.suite
-        else list(ALL_SUITES)
-        if "all" in args.suite
-        else list(dict.fromkeys(args.suite))
-    )
+    wanted = list(dict.fromkeys(args.suite))
+    if "auto" in wanted or "all" in wanted:
+        wanted = auto_suites() if "auto" in wanted else list(ALL_SUITES)
     skipped = {s: why for s in wanted if (why := why_not(s))}
     for s, why in skipped.items():
         _note(f"suite {s} skipped: {why}")
     suites = [s for s in wanted if s not in skipped]
-    profiles = {
-        "cpu": "tiny" if args.tiny else "quick" if args.quick else "cpu",
-        "gpu": "tiny" if args.tiny else "quick" if args.quick or args.gpu_dry_run else "gpu",
-    }
+    small = "tiny" if args.tiny else "quick" if args.quick else None
+    profiles = {"cpu": small or "cpu", "gpu": small or ("quick" if args.gpu_dry_run else "gpu")}
     replicas = tuple(args.replicas or ((1, 4) if args.quick else (1, 2, 4)))
     tasks: list[Task] = []
     for s in suites:
@@ -189,14 +173,8 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
             f"the machine is busy (load average {load:.1f} on {os.cpu_count()} cores): "
             "timings will be noisy; the JSON records the load."
         )
-    meta.update(
-        suites=suites,
-        skipped_suites=skipped,
-        profiles=profiles,
-        gpu_dry_run=args.gpu_dry_run,
-        threads=args.threads,
-        tasks=len(tasks),
-    )
+    meta.update(suites=suites, skipped_suites=skipped, profiles=profiles)
+    meta.update(gpu_dry_run=args.gpu_dry_run, threads=args.threads, tasks=len(tasks))
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "records.partial.jsonl")
     with open(partial, "w") as f:  # one line per record as tasks finish; removed once complete
@@ -217,23 +195,11 @@ def _run(args: argparse.Namespace, argv: list[str], t_start: float) -> dict:
         pngs = plots.write_all(records, args.out)
     elif not args.no_plots:
         _note("matplotlib is not installed; no plots (pip install matplotlib).")
-    meta.update(
-        plots=[os.path.basename(p) for p in pngs],
-        wall_s=time.perf_counter() - t_start,
-        load_average={"start": load, "end": machine.load_average()},
-    )
+    meta.update(plots=[os.path.basename(p) for p in pngs], wall_s=time.perf_counter() - t_start)
+    meta.update(load_average={"start": load, "end": machine.load_average()})
     json_path = os.path.join(args.out, "results.json")
     report.write_json(json_path, meta, records)
     os.remove(partial)
-    print(
-        f"\nwrote {json_path}, {os.path.join(args.out, 'table.txt')}"
-        + "".join(f", {p}" for p in pngs)
-    )
+    print(f"\nwrote {', '.join([json_path, os.path.join(args.out, 'table.txt'), *pngs])}")
     print(f"wall time {meta['wall_s']:.1f} s")
-    return {
-        "schema": report.SCHEMA,
-        "meta": meta,
-        "records": records,
-        "plots": pngs,
-        "json": json_path,
-    }
+    return dict(schema=report.SCHEMA, meta=meta, records=records, plots=pngs, json=json_path)

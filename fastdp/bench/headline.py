@@ -8,13 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from fastdp.bench.report import STEP_SUITES, med
+from fastdp.bench.report import STEP_SUITES, by_mode, med
 
 
 def _speedup(other: dict | None, fd: dict) -> str:
-    if not other or med(other) is None:
-        return "n/a"
-    return f"{med(other) / med(fd):.2f}x"
+    return f"{med(other) / med(fd):.2f}x" if other and med(other) is not None else "n/a"
 
 
 def device_line(doc: dict, replicas: int) -> str:
@@ -22,40 +20,33 @@ def device_line(doc: dict, replicas: int) -> str:
     m = doc["meta"]["machine"]
     gpus = m["gpu"]["names"]
     rec = next(r for r in doc["records"] if r.get("replicas") == replicas and r.get("devices"))
-    where = (
-        f"{replicas} replicas on {rec['devices'][0]}"
-        if len(set(rec["devices"])) == 1
-        else f"{replicas} replicas on {', '.join(rec['devices'])}"
-    )
-    hw = f"{gpus[0]}" if gpus else f"{m['cpu']}, {m['cores']} cores, no GPU"
+    where = f"{replicas} replicas on {', '.join(dict.fromkeys(rec['devices']))}"
+    hw = gpus[0] if gpus else f"{m['cpu']}, {m['cores']} cores, no GPU"
     return f"{hw}; {where}; torch {doc['meta']['torch']}"
 
 
 def table(doc: dict, replicas: int) -> str:
     """One row per workload (inputs already on the device): fastdp's step and its speed-ups,
     medians of the same run."""
-    groups: dict[str, dict[str, dict]] = {}
-    for r in doc["records"]:
-        if (
-            r.get("suite") in STEP_SUITES[1:]
-            and r.get("replicas") == replicas
-            and r.get("input") in ("tensor", "dict16")
-            and med(r) is not None
-        ):
-            groups.setdefault(r["workload"], {})[r["mode"]] = r
+
+    def workload(r: dict) -> str | None:
+        step = r.get("suite") in STEP_SUITES[1:] and r.get("input") in ("tensor", "dict16")
+        ok = step and r.get("replicas") == replicas and med(r) is not None
+        return r["workload"] if ok else None
+
     lines = [
         "| workload | fastdp step (ms) | speed-up over nn.DataParallel | speed-up over "
         "DataParallel's algorithm | fastdp / floor |",
         "|---|---:|---:|---:|---:|",
     ]
-    for workload, g in groups.items():
+    for name, g in by_mode(doc["records"], workload).items():
         fd = g.get("fastdp")
         if not fd:
             continue
         floor = g.get("floor")
         x_floor = f"{med(fd) / med(floor):.2f}x" if floor and med(floor) else "n/a"
         lines.append(
-            f"| {workload} | {med(fd):.3g} | {_speedup(g.get('torch_dp'), fd)} | "
+            f"| {name} | {med(fd):.3g} | {_speedup(g.get('torch_dp'), fd)} | "
             f"{_speedup(g.get('dp_algo'), fd)} | {x_floor} |"
         )
     return "\n".join(lines)

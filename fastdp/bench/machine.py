@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+import fastdp
+
 
 def _run(cmd: list[str], cwd: str | None = None) -> str | None:
     try:
@@ -50,8 +52,6 @@ def gpus() -> dict:
 
 def git_commit() -> dict:
     """The commit of the checkout fastdp was imported from (None outside a git checkout)."""
-    import fastdp
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(fastdp.__file__)))
     commit = _run(["git", "rev-parse", "HEAD"], cwd=root)
     if commit is None:
@@ -68,13 +68,15 @@ def load_average() -> float | None:
         return None
 
 
-def describe(argv: list[str]) -> dict:
-    import fastdp
+ENV_PREFIXES = ("FASTDP_", "OMP_", "MKL_", "CUDA_VISIBLE")  # the variables a run records
 
+
+def describe(argv: list[str]) -> dict:
     try:
         info = fastdp.info()
     except Exception as e:  # the info report must never stop a benchmark
         info = {"error": f"{type(e).__name__}: {e}"}
+    affinity = getattr(os, "sched_getaffinity", None)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m fastdp.bench" + (" " + shlex.join(argv) if argv else ""),
@@ -82,9 +84,7 @@ def describe(argv: list[str]) -> dict:
         "machine": {
             "cpu": cpu_model(),
             "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(),
+            "cores_usable": len(affinity(0)) if affinity else os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(),
             "gpu": gpus(),
@@ -94,9 +94,5 @@ def describe(argv: list[str]) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "fastdp": {"version": fastdp.__version__, **git_commit(), "info": info},
-        "env": {
-            k: v
-            for k, v in os.environ.items()
-            if k.startswith(("FASTDP_", "OMP_", "MKL_", "CUDA_VISIBLE"))
-        },
+        "env": {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
     }

@@ -12,7 +12,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+import fastdp
+from fastdp import _backend
+from fastdp._launch import Auto
 from fastdp.bench.workloads import loss_of, map_tensors, tensors_of
+from fastdp.replicate import replicate
 
 WRAPPERS = ("torch_dp", "fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext", "dp_algo")
 MODES = ("bare", "floor", *WRAPPERS)
@@ -27,18 +31,15 @@ LAUNCH_MODES = {
 
 def fresh_replicate(module: nn.Module, devices: Sequence, detach: bool = False) -> list:
     """DataParallel's algorithm: ``fastdp.replicate.replicate``, fresh replicas every call."""
-    from fastdp.replicate import replicate
-
     return replicate(module, devices, detach)
 
 
 @functools.cache
 def dp_algorithm_class() -> type:
     """``FastDataParallel`` with DataParallel's replicate: fresh replicas every call."""
-    import fastdp
 
     class DPAlgorithm(fastdp.FastDataParallel):
-        def replicate(self, module, device_ids):  # noqa: ANN001, ANN201 (torch's seam)
+        def replicate(self, module, device_ids):
             return fresh_replicate(module, device_ids, not torch.is_grad_enabled())
 
     DPAlgorithm.__qualname__ = DPAlgorithm.__name__ = "DPAlgorithm"
@@ -47,7 +48,7 @@ def dp_algorithm_class() -> type:
 
 @contextlib.contextmanager
 def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[Callable]:
-    """Yields the callable of ``mode`` around ``model``; the wrapper is dropped on exit.
+    """Yields the callable of ``mode`` around ``model``, for the ``with`` block only.
 
     ``devices=None`` constructs the wrapper without ``device_ids`` (its default devices). Run
     everything that uses it (forward *and* backward) under ``mode_context(mode)``.
@@ -56,33 +57,22 @@ def wrapped(mode: str, model: nn.Module, devices: Sequence | None) -> Iterator[C
     if mode in LAUNCH_MODES:  # explicit, so that FASTDP_LAUNCH in the environment cannot sway it
         kw["launch"] = LAUNCH_MODES[mode]
     if mode == "bare":
-        obj = model
+        yield model
     elif mode == "floor":
-        n = 1 if devices is None else len(devices)
-        obj = functools.partial(chunked_call, model, n)
+        yield functools.partial(chunked_call, model, 1 if devices is None else len(devices))
     elif mode == "torch_dp":
-        obj = nn.DataParallel(model, **kw)
+        yield nn.DataParallel(model, **kw)
     elif mode in ("fastdp", "fastdp_threads", "fastdp_inline", "fastdp_noext"):
-        import fastdp
-
-        obj = fastdp.FastDataParallel(model, **kw)
+        yield fastdp.FastDataParallel(model, **kw)
     elif mode == "dp_algo":
-        obj = dp_algorithm_class()(model, **kw)
+        yield dp_algorithm_class()(model, **kw)
     else:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    try:
-        yield obj
-    finally:
-        del obj
 
 
 def mode_context(mode: str) -> contextlib.AbstractContextManager:
     """``fastdp_noext``: the extension disabled (``fastdp._backend.use_extension(False)``)."""
-    if mode != "fastdp_noext":
-        return contextlib.nullcontext()
-    from fastdp import _backend
-
-    return _backend.use_extension(False)
+    return _backend.use_extension(False) if mode == "fastdp_noext" else contextlib.nullcontext()
 
 
 def in_mode(mode: str, fn: Callable[[], None]) -> Callable[[], None]:
@@ -90,7 +80,6 @@ def in_mode(mode: str, fn: Callable[[], None]) -> Callable[[], None]:
     interleaved timing of several modes gives each its own backend setting."""
     if mode != "fastdp_noext":
         return fn
-    from fastdp import _backend
 
     def step() -> None:
         prev = _backend.set_enabled(False)
@@ -126,7 +115,7 @@ def chunk_inputs(args: tuple, n: int, dim: int = 0) -> list[tuple]:
     return [map_tensors(args, lambda t, i=i: t.chunk(n, dim)[i]) for i in range(k)]
 
 
-def concat_outputs(outs: list, dim: int = 0):  # noqa: ANN201
+def concat_outputs(outs: list, dim: int = 0):
     """Concatenates per-chunk outputs the way DataParallel gathers them (same nesting)."""
     first = outs[0]
     if isinstance(first, torch.Tensor):
@@ -142,11 +131,10 @@ def chunked_reference(model: nn.Module, args: tuple, n: int, device: torch.devic
     """The bare module on each of DataParallel's chunks in turn, outputs concatenated: the same
     outputs and gradients DataParallel semantics promise, BatchNorm's per-replica batch
     statistics included (for models without batch statistics it equals the whole batch)."""
-    args = map_tensors(args, lambda t: t.to(device))
-    return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
+    return chunked_call(model, n, *map_tensors(args, lambda t: t.to(device)))
 
 
-def chunked_call(model: nn.Module, n: int, *args):  # noqa: ANN201
+def chunked_call(model: nn.Module, n: int, *args):
     """The ``floor`` mode: ``model`` on DataParallel's ``n`` chunks of ``args`` in turn."""
     return concat_outputs([model(*c) for c in chunk_inputs(args, n)])
 
@@ -157,8 +145,6 @@ def settle(call: Callable, step: Callable[[], None]) -> None:
     report = getattr(call, "launch_report", None)
     if report is None or getattr(call, "launch", None) != "auto":
         return
-    from fastdp._launch import Auto
-
     for _ in range(4 + 2 * (Auto.WARMUP + Auto.TRIALS)):
         if report() and all(r["choice"] for r in report()):
             return

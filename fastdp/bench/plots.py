@@ -1,8 +1,5 @@
-"""PNG plots (matplotlib, Agg backend): ``figures(records)`` builds them, ``write_all`` saves them.
-Without matplotlib ``available()`` is False and the caller writes none. The style (palette,
-labels, sizes), the bar figures (each step suite's headline, the launch strategies, in units of
-the chunked floor) and the line figures (host overhead per workload, replicate cost by depth,
-collective bandwidth by size), in that order.
+"""PNG plots (matplotlib, Agg backend): ``figures(records)`` builds them, ``write_all`` saves them;
+without matplotlib ``available()`` is False and the caller writes none.
 
 Plots a person reads: each step suite's headline (``steps_<suite>.png``) answers two questions at a
 glance: how far fastdp is from the chunked floor (the bare module on the same chunks in turn, = 1)
@@ -14,13 +11,13 @@ tests/test_tools_bench_plots.py checks these on the figures of a real run.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections import defaultdict
 from typing import Any
 
-from fastdp.bench.report import STEP_SUITES, launch_entries, med
-
-__all__ = ["OKABE_ITO", "DPI", "available", "plt", "figures", "write_all"]
+from fastdp.bench.report import LAUNCH_MODES, STEP_SUITES, by_mode, launch_entries, med
 
 # Okabe & Ito, "Color Universal Design": distinct under the common colour-vision deficiencies.
 OKABE_ITO = {
@@ -50,36 +47,14 @@ COLORS = {m: OKABE_ITO[c] for m, (c, _, _) in STYLE.items()}
 MARKERS = {m: k for m, (_, k, _) in STYLE.items() if k}
 LABELS = {m: label for m, (_, _, label) in STYLE.items()}
 HEADLINE_MODES = ("fastdp", "dp_algo", "torch_dp")
-STRATEGIES = (
-    ("threads", OKABE_ITO["orange"]),
-    ("inline", OKABE_ITO["green"]),
-    ("auto", OKABE_ITO["blue"]),
-)
-RC = {
-    "font.size": 11,
-    "axes.titlesize": 11,
-    "axes.labelsize": 11,
-    "xtick.labelsize": 10,
-    "ytick.labelsize": 10,
-    "legend.fontsize": 10,
-    "figure.titlesize": 12,
-}
+RC = {"font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11, "figure.titlesize": 12}
+RC |= dict.fromkeys(("xtick.labelsize", "ytick.labelsize", "legend.fontsize"), 10)  # >= 10 pt
 WIDTH_IN, DPI = 11.0, 110  # 1210 px
 BAR_IN = 0.24  # height of one horizontal bar
+LABEL_BOX = {"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8}
 
 
-def available() -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def plt():  # noqa: ANN201
+def plt():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +63,15 @@ def plt():  # noqa: ANN201
     return matplotlib.pyplot
 
 
-def legend_below(fig, axes) -> None:  # noqa: ANN001
+def available() -> bool:
+    try:
+        plt()
+    except ImportError:
+        return False
+    return True
+
+
+def legend_below(fig, axes) -> None:
     """One legend for the figure, below the axes, each label once."""
     seen: dict = {}
     for ax in axes:
@@ -99,7 +82,7 @@ def legend_below(fig, axes) -> None:  # noqa: ANN001
     )
 
 
-def finish(fig, legend_in: float) -> None:  # noqa: ANN001
+def finish(fig, legend_in: float) -> None:
     """Lay the axes out between the legend (``legend_in`` inches at the bottom) and the title."""
     h = fig.get_figheight()
     fig.tight_layout(rect=(0, legend_in / h, 1, 1 - 0.45 / h))
@@ -145,30 +128,28 @@ def _devkey(r: dict) -> str:
     return f"{len(d)} replica{'s' if len(d) > 1 else ''} on {d[0]}"
 
 
-def _bar_group(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:  # noqa: ANN001
-    """Horizontal bars from ``y0`` down, one per (label, value, colour, text); value printed."""
+def _bar_group(ax, y0: float, values: list[tuple[str, float | None, str, str]]) -> None:
+    """Horizontal bars from ``y0`` down, one per (label, value, colour, text); value printed (no
+    value: the text alone at the left edge)."""
+    left = ax.get_yaxis_transform()
     for j, (label, v, color, text) in enumerate(values):
         y = y0 + j * BAR_IN
         if v is None:
-            ax.text(
-                0.02,
-                y,
-                text,
-                va="center",
-                fontsize=10,
-                color=color,
-                transform=ax.get_yaxis_transform(),
-            )
+            ax.text(0.02, y, text, va="center", fontsize=10, color=color, transform=left)
             continue
         ax.barh(y, v, BAR_IN * 0.9, color=color, label=label)
-        ax.text(
-            v,
-            y,
-            f" {text}",
-            va="center",
-            fontsize=10,
-            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8},
-        )
+        ax.text(v, y, f" {text}", va="center", fontsize=10, bbox=LABEL_BOX)
+
+
+def _bar_axes(ax, ticks: list, slots: int, xlabel: str, line_label: str, pad: float) -> None:
+    """A bar figure's axes: the tick labels (y, text), ``slots`` bar heights in all, the dashed
+    line at 1, the x range widened by ``pad`` for the printed values."""
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1.2, label=line_label)
+    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks])
+    ax.set_ylim(slots * BAR_IN - BAR_IN, -BAR_IN)
+    ax.set_xlim(0, ax.get_xlim()[1] * pad)
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="x", alpha=0.3)
 
 
 def _unit(group: dict[str, dict]) -> tuple[str, float | None]:
@@ -184,14 +165,11 @@ def _gain(g: dict[str, dict]) -> str:
     if not (fd and dp and med(fd)):
         return ""
     k = med(dp) / med(fd)
-    return (
-        f"\n{k:.2f}x faster than DP's algorithm"
-        if k >= 1
-        else f"\n{1 / k:.2f}x slower than DP's algorithm"
-    )
+    how = f"{k:.2f}x faster" if k >= 1 else f"{1 / k:.2f}x slower"
+    return f"\n{how} than DP's algorithm"
 
 
-def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> None:  # noqa: ANN001
+def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> None:
     """One replica count: a group of bars per configuration, in units of its floor (or bare)."""
     labels, unit_name = [], "floor"
     for i, key in enumerate(keys):
@@ -213,38 +191,28 @@ def _steps_panel(ax, groups: dict, keys: list, modes: list[str], suite: str) -> 
         name = " ".join(x for x in key[1:3] if x and x != "tensor")
         step = " " + key[3] if suite == "passthrough" else ""
         labels.append((mid, f"{name}{step}\n{unit_name} {ms}{_gain(g)}"))
-    floor_label = LABELS["floor"] if unit_name == "floor" else "bare module (= 1)"
-    ax.axvline(1.0, color=COLORS["floor"], linestyle="--", linewidth=1.2, label=floor_label)
-    ax.set_yticks([y for y, _ in labels], [t for _, t in labels])
-    ax.set_ylim(len(keys) * (len(modes) + 1) * BAR_IN - BAR_IN, -BAR_IN)
-    ax.set_xlim(0, ax.get_xlim()[1] * 1.12)
-    unit_text = "chunked floor" if unit_name == "floor" else "bare module"
-    ax.set_xlabel(f"step time / {unit_text} (lower is better)")
+    floor = unit_name == "floor"
+    xlabel = f"step time / {'chunked floor' if floor else 'bare module'} (lower is better)"
+    line_label = LABELS["floor"] if floor else "bare module (= 1)"
+    _bar_axes(ax, labels, len(keys) * (len(modes) + 1), xlabel, line_label, 1.12)
     first = next((r for k in keys for r in groups[k].values() if r.get("devices")), {})
     ax.set_title(_devkey(first), loc="left")
-    ax.grid(axis="x", alpha=0.3)
 
 
-def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
+def steps_figure(records: list[dict], suite: str):
     """Headline of a step suite: each mode's step time in units of the chunked floor."""
     recs = [r for r in records if r.get("suite") == suite and med(r) is not None]
     panels = list(dict.fromkeys(r.get("replicas") for r in recs if r["mode"] in HEADLINE_MODES))
     if not panels:
         return None
-    groups: dict[tuple, dict[str, dict]] = {}
-    for r in recs:
-        key = (r.get("replicas"), r.get("workload"), r.get("input"), r.get("step"))
-        groups.setdefault(key, {})[r["mode"]] = r
+    groups = by_mode(
+        recs, lambda r: (r.get("replicas"), r.get("workload"), r.get("input"), r.get("step"))
+    )
     modes = [m for m in HEADLINE_MODES if any(r["mode"] == m for r in recs)]
     entries = {p: [k for k in groups if k[0] == p] for p in panels}
     heights = [len(entries[p]) * (len(modes) + 1) * BAR_IN + 0.9 for p in panels]
-    fig, axes = plt().subplots(
-        len(panels),
-        1,
-        figsize=(WIDTH_IN, sum(heights) + 1.6),
-        squeeze=False,
-        gridspec_kw={"height_ratios": heights},
-    )
+    size = {"figsize": (WIDTH_IN, sum(heights) + 1.6), "gridspec_kw": {"height_ratios": heights}}
+    fig, axes = plt().subplots(len(panels), 1, squeeze=False, **size)
     for ax, panel in zip(axes[:, 0], panels):
         _steps_panel(ax, groups, entries[panel], modes, suite)
     legend_below(fig, axes[:, 0])
@@ -257,7 +225,7 @@ def steps_figure(records: list[dict], suite: str):  # noqa: ANN201
     return fig
 
 
-def launch_figure(records: list[dict]):  # noqa: ANN201
+def launch_figure(records: list[dict]):
     """Each launch strategy's step time in units of the chunked floor; auto's pick printed."""
     entries = [
         r for r in launch_entries(records) if r.get("floor_ms") and (r.get("replicas") or 0) > 1
@@ -265,40 +233,47 @@ def launch_figure(records: list[dict]):  # noqa: ANN201
     if not entries:
         return None
     suites = {r["suite"] for r in entries}
-    per = len(STRATEGIES) + 1
+    per = len(LAUNCH_MODES) + 1
     fig, ax = plt().subplots(figsize=(WIDTH_IN, len(entries) * per * BAR_IN + 2.2))
     ticks = []
     for i, r in enumerate(entries):
         y0 = i * per * BAR_IN
         bars = []
-        for name, color in STRATEGIES:
+        for mode, name in LAUNCH_MODES.items():
             v = r.get(f"{name}_x_floor")
             text = times(v) if v is not None else "-"
             if name == "auto" and v is not None:
                 pick = r.get("auto_pick")
                 text += f"  (auto -> {pick if isinstance(pick, str) else 'mixed'})"
-            bars.append((name, v, color, text))
+            bars.append((name, v, COLORS[mode], text))
         _bar_group(ax, y0, bars)
         where = f"{r['suite']}: " if len(suites) > 1 else ""
-        ticks.append(
-            (
-                y0 + BAR_IN,
-                f"{where}{r['workload']}, {r['replicas']} replicas\nfloor {r['floor_ms']:.3g} ms",
-            )
-        )
-    ax.axvline(1.0, color="black", linestyle="--", linewidth=1.2, label=LABELS["floor"])
-    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks])
-    ax.set_ylim(len(entries) * per * BAR_IN - BAR_IN, -BAR_IN)
-    ax.set_xlim(0, ax.get_xlim()[1] * 1.25)
-    ax.set_xlabel("step time / chunked floor (lower is better)")
-    ax.grid(axis="x", alpha=0.3)
+        text = f"{where}{r['workload']}, {r['replicas']} replicas\nfloor {r['floor_ms']:.3g} ms"
+        ticks.append((y0 + BAR_IN, text))
+    xlabel = "step time / chunked floor (lower is better)"
+    _bar_axes(ax, ticks, len(entries) * per, xlabel, LABELS["floor"], 1.25)
     legend_below(fig, [ax])
     fig.suptitle("Launch strategies: training step time in units of the chunked floor")
     finish(fig, 0.7)
     return fig
 
 
-def _plain_log(axis) -> None:  # noqa: ANN001
+def _line(mode: str) -> dict:
+    """A mode's line style: its marker and colour."""
+    return {"marker": MARKERS.get(mode, "o"), "color": COLORS.get(mode)}
+
+
+def _note(ax, text: str, xy: tuple, offset: tuple, **kw: object) -> None:
+    """``text`` printed at ``offset`` points from the data point ``xy``."""
+    ax.annotate(text, xy, textcoords="offset points", xytext=offset, fontsize=10, **kw)
+
+
+# A value at or below the floor (<= 0) on a log axis: a hollow triangle on the bottom edge.
+BELOW = {"color": "black", "markersize": 12, "markerfacecolor": "none"}
+BELOW_LABEL = "at or below the floor (<= 0), drawn at the bottom"
+
+
+def _plain_log(axis) -> None:
     """Log scale with tick labels written as plain numbers (0.3, 2, 40), not 3x10^-1."""
     from matplotlib.ticker import FuncFormatter, LogLocator
 
@@ -306,7 +281,7 @@ def _plain_log(axis) -> None:  # noqa: ANN001
     axis.set_minor_locator(LogLocator(subs=()))
 
 
-def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) -> bool:  # noqa: ANN001
+def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) -> bool:
     """One quantity per workload, a line per (mode, replicas), log scale; values <= 0 drawn at
     the bottom edge and said so. Returns whether any was."""
     xpos = {w: i for i, (_, w) in enumerate(works)}
@@ -320,29 +295,13 @@ def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) ->
         rs.sort(key=lambda r: r["params"])
         xs, ys = [xpos[r["workload"]] for r in rs], [r[key] for r in rs]
         label = f"{LABELS.get(mode, mode)}, {n} replicas"
-        marker, color = MARKERS.get(mode, "o"), COLORS.get(mode)
-        ax.plot(xs, [max(y, bottom) for y in ys], "-", marker=marker, color=color, label=label)
+        ax.plot(xs, [max(y, bottom) for y in ys], "-", label=label, **_line(mode))
         for x, y in zip(xs, ys):
-            if y <= 0:  # at or below the floor: drawn on the bottom edge, said so
+            if y <= 0:
                 below = True
-                ax.plot(
-                    x,
-                    bottom,
-                    "v",
-                    color="black",
-                    markersize=12,
-                    markerfacecolor="none",
-                    label="at or below the floor (<= 0), drawn at the bottom",
-                )
+                ax.plot(x, bottom, "v", label=BELOW_LABEL, **BELOW)
             elif mode == "fastdp" and key == "overhead_ms":
-                ax.annotate(
-                    f"{y:.2g}",
-                    (x, y),
-                    textcoords="offset points",
-                    xytext=(6, -4),
-                    fontsize=10,
-                    color=COLORS[mode],
-                )
+                _note(ax, f"{y:.2g}", (x, y), (6, -4), color=COLORS[mode])
     ax.set_yscale("log")
     _plain_log(ax.yaxis)
     ax.set_ylim(bottom=bottom / 1.5)
@@ -354,14 +313,11 @@ def _overhead_panel(ax, recs: list[dict], key: str, ylabel: str, works: list) ->
     return below
 
 
-def overhead_figure(records: list[dict], suite: str):  # noqa: ANN201
+def overhead_figure(records: list[dict], suite: str):
     """The wrapper's own cost per step (step minus the bare module on the same chunks) and its
     Python calls, per workload in order of parameter tensors; flat means O(1) per step."""
-    recs = [
-        r
-        for r in records
-        if r.get("suite") == suite and r.get("mode") != "model_chunks" and r.get("params")
-    ]
+    recs = [r for r in records if r.get("suite") == suite and r.get("params")]
+    recs = [r for r in recs if r.get("mode") != "model_chunks"]
     if not recs:
         return None
     works = sorted({(r["params"], r["workload"]) for r in recs})
@@ -379,7 +335,7 @@ def overhead_figure(records: list[dict], suite: str):  # noqa: ANN201
     return fig
 
 
-def replicate_figure(records: list[dict]):  # noqa: ANN201
+def replicate_figure(records: list[dict]):
     """replicate() time against depth, log-log, each depth's fastdp / DataParallel ratio printed."""
     recs = [r for r in records if r.get("suite") == "replicate" and med(r) is not None]
     if not recs:
@@ -395,19 +351,10 @@ def replicate_figure(records: list[dict]):  # noqa: ANN201
     }
     for mode, pts in series.items():
         xs = sorted(pts)
-        ax.loglog(
-            xs,
-            [pts[x] for x in xs],
-            "-",
-            marker=MARKERS.get(mode, "o"),
-            color=COLORS.get(mode),
-            label=labels.get(mode, mode),
-        )
+        ax.loglog(xs, [pts[x] for x in xs], "-", label=labels.get(mode, mode), **_line(mode))
     f, d = series.get("fastdp", {}), series.get("dp_algo", {})
     for x in sorted(set(f) & set(d)):
-        ax.annotate(
-            times(f[x] / d[x]), (x, f[x]), textcoords="offset points", xytext=(-12, 9), fontsize=10
-        )
+        _note(ax, times(f[x] / d[x]), (x, f[x]), (-12, 9))
     _plain_log(ax.xaxis)
     _plain_log(ax.yaxis)
     ax.set_xlabel("layers (Linear(32, 32) in nn.Sequential)")
@@ -422,7 +369,7 @@ def replicate_figure(records: list[dict]):  # noqa: ANN201
     return fig
 
 
-def _bytes_axis(ax) -> None:  # noqa: ANN001
+def _bytes_axis(ax) -> None:
     from matplotlib.ticker import FixedLocator, FuncFormatter
 
     def fmt(v: float, _: object) -> str:
@@ -437,18 +384,19 @@ def _bytes_axis(ax) -> None:  # noqa: ANN001
     ax.set_xlabel("message size")
 
 
-def _bandwidth_panel(ax, recs: list[dict], op: str) -> None:  # noqa: ANN001
+def _by_size(recs: list[dict], op: str, mode: str, key: str) -> list[tuple]:
+    """(bytes, value of ``key``) of ``mode``'s ``op`` records that have one, by size."""
+    return sorted(
+        (r["bytes"], r[key]) for r in recs if (r["op"], r["mode"]) == (op, mode) and r.get(key)
+    )
+
+
+def _bandwidth_panel(ax, recs: list[dict], op: str) -> None:
     """One collective's GB/s by size: torch, fastdp and the plain copy of the same bytes."""
     for mode in ("torch", "fastdp"):
-        pts = sorted((r["bytes"], r["gbps"]) for r in recs if r["op"] == op and r["mode"] == mode)
-        if pts:
-            ax.loglog(*zip(*pts), "-", marker=MARKERS[mode], color=COLORS[mode], label=LABELS[mode])
-    lim = sorted(
-        (r["bytes"], r["limit_gbps"])
-        for r in recs
-        if r["op"] == op and r.get("limit_gbps") and r["mode"] == "fastdp"
-    )
-    if lim:
+        if pts := _by_size(recs, op, mode, "gbps"):
+            ax.loglog(*zip(*pts), "-", label=LABELS[mode], **_line(mode))
+    if lim := _by_size(recs, op, "fastdp", "limit_gbps"):
         ax.loglog(*zip(*lim), "--", color=OKABE_ITO["grey"], label="plain copy of the bytes")
     ax.set_title(op)
     ax.set_ylabel("GB/s (bytes / time)")
@@ -457,16 +405,11 @@ def _bandwidth_panel(ax, recs: list[dict], op: str) -> None:  # noqa: ANN001
     ax.grid(which="major", alpha=0.3)
 
 
-def _fraction_panel(ax, recs: list[dict], ops: list[str]) -> None:  # noqa: ANN001
+def _fraction_panel(ax, recs: list[dict], ops: list[str]) -> None:
     """fastdp's GB/s of every collective as a fraction of the plain copy's."""
     styles = list(zip(("orange", "sky", "green", "vermillion", "yellow", "grey"), "s^vDXh"))
     for i, op in enumerate(ops):
-        pts = sorted(
-            (r["bytes"], r["frac_of_limit"])
-            for r in recs
-            if r["op"] == op and r["mode"] == "fastdp" and r.get("frac_of_limit") is not None
-        )
-        if pts:
+        if pts := _by_size(recs, op, "fastdp", "frac_of_limit"):
             color, marker = styles[i % len(styles)]
             label = f"fastdp {op} / plain copy"
             ax.semilogx(*zip(*pts), "-", marker=marker, color=OKABE_ITO[color], label=label)
@@ -477,16 +420,15 @@ def _fraction_panel(ax, recs: list[dict], ops: list[str]) -> None:  # noqa: ANN0
     ax.grid(which="major", alpha=0.3)
 
 
-def bandwidth_figure(records: list[dict], suite: str):  # noqa: ANN201
+def bandwidth_figure(records: list[dict], suite: str):
     """Effective GB/s of each collective by size, torch vs fastdp, with the plain-copy limit;
     the last panel shows fastdp's bandwidth as a fraction of the limit."""
     recs = [r for r in records if r.get("suite") == suite and r.get("gbps")]
     ops = [o for o in dict.fromkeys(r["op"] for r in recs) if not o.startswith("limit")]
     if not ops:
         return None
-    cols = 2
-    down = (len(ops) + 1 + cols - 1) // cols
-    fig, axes = plt().subplots(down, cols, figsize=(WIDTH_IN, 3.6 * down + 1.2), squeeze=False)
+    down = (len(ops) + 2) // 2  # two columns: a panel per collective, then the fraction panel
+    fig, axes = plt().subplots(down, 2, figsize=(WIDTH_IN, 3.6 * down + 1.2), squeeze=False)
     flat = list(axes.flat)
     for ax, op in zip(flat, ops):
         _bandwidth_panel(ax, recs, op)
@@ -503,9 +445,6 @@ def bandwidth_figure(records: list[dict], suite: str):  # noqa: ANN201
 
 
 if __name__ == "__main__":  # python -m fastdp.bench.plots RESULTS.json [OUT_DIR]: redraw
-    import json
-    import sys
-
     src = sys.argv[1]
     dst = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(src))
     os.makedirs(dst, exist_ok=True)

@@ -1,16 +1,12 @@
-"""Ratios within the run, the headline figures, the stdout table, and the JSON file.
-
-Every ratio is computed from medians measured in the same run; nothing is hard-coded. A ratio
-below 1 means faster (``x floor`` = time / the chunked floor's time: the bare module on the same
-chunks in turn, the yardstick of every step table; ``x bare`` = time / bare module's time on the
-whole batch, ``x dp_algo`` = time / DataParallel's algorithm's time on the same devices).
-"""
+"""Ratios within the run, the headline figures, the stdout table, and the JSON file. Every ratio
+is of medians measured in the same run (bench/README.md, *Reading the table and the plots*)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -24,6 +20,16 @@ def med(r: dict) -> float | None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def by_mode(records: list[dict], key: Callable[[dict], object]) -> dict:
+    """``key(r)`` -> mode -> record, in the records' order; a record whose key is None is left
+    out."""
+    groups: dict = defaultdict(dict)
+    for r in records:
+        if (k := key(r)) is not None:
+            groups[k][r.get("mode")] = r
+    return groups
 
 
 # ratio -> (its reference modes, the first found; the modes that get no such ratio)
@@ -58,11 +64,7 @@ def _config(r: dict) -> tuple | None:
 
 def add_ratios(records: list[dict]) -> None:
     """Adds ``ratios`` (those of ``RATIOS`` and ``FIELD_RATIOS``) to every timed record."""
-    by_cfg: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for r in records:
-        if (key := _config(r)) is not None:
-            by_cfg[key][r.get("mode")] = r
-    for group in by_cfg.values():
+    for group in by_mode(records, _config).values():
         dp = group.get("dp_algo", {})
         for mode, r in group.items():
             if med(r) is None:
@@ -80,24 +82,13 @@ def add_ratios(records: list[dict]) -> None:
 
 def _replicate_entries(records: list[dict]) -> list[dict]:
     """Per depth: fastdp's steady-state ``replicate()`` against DataParallel's algorithm."""
-    rep = {
-        (r["layers"], r["mode"]): r
-        for r in records
-        if r.get("suite") == "replicate" and med(r) is not None
-    }
+    timed = [r for r in records if r.get("suite") == "replicate" and med(r) is not None]
     entries = []
-    for layers in sorted({k[0] for k in rep}):
-        f, d = rep.get((layers, "fastdp")), rep.get((layers, "dp_algo"))
+    for layers, g in sorted(by_mode(timed, lambda r: r["layers"]).items()):
+        f, d = g.get("fastdp"), g.get("dp_algo")
         if f and d:
-            entries.append(
-                {
-                    "layers": layers,
-                    "replicas": f["replicas"],
-                    "fastdp_ms": med(f),
-                    "dp_algo_ms": med(d),
-                    "ratio": med(f) / med(d),
-                }
-            )
+            entry = dict(layers=layers, replicas=f["replicas"], fastdp_ms=med(f), dp_algo_ms=med(d))
+            entries.append({**entry, "ratio": med(f) / med(d)})
     return entries
 
 
@@ -106,24 +97,19 @@ OVERHEAD_FIELDS = ("workload", "mode", "params", "overhead_ms", "wrapper_calls_p
 STEP_FIELDS = ("suite", "workload", "input", "replicas", "mode")
 
 
+def _copy(r: dict, fields: tuple[str, ...], **more: object) -> dict:
+    return {**{k: r.get(k) for k in fields}, "step_ms": med(r), **more}
+
+
 def headline(records: list[dict]) -> dict:
     """The figures a reader looks for first, each copied from a record of this run."""
     timed = [r for r in records if med(r) is not None]
-    overhead = [
-        r
-        for r in timed
-        if r.get("suite", "").startswith("overhead") and r.get("mode") != "model_chunks"
-    ]
+    overhead = [r for r in timed if r.get("suite", "").startswith("overhead")]
     steps = [r for r in timed if r.get("suite") in STEP_SUITES[1:] and r.get("mode") == "fastdp"]
     out = {
         "replicate_cpu": _replicate_entries(records),
-        "overhead": [
-            {**{k: r.get(k) for k in OVERHEAD_FIELDS}, "step_ms": med(r)} for r in overhead
-        ],
-        "steps_fastdp": [
-            {**{k: r.get(k) for k in STEP_FIELDS}, "step_ms": med(r), **r.get("ratios", {})}
-            for r in steps
-        ],
+        "overhead": [_copy(r, OVERHEAD_FIELDS) for r in overhead if r["mode"] != "model_chunks"],
+        "steps_fastdp": [_copy(r, STEP_FIELDS, **r.get("ratios", {})) for r in steps],
         "launch": launch_entries(records),
     }
     out = {k: v for k, v in out.items() if v}
@@ -142,23 +128,18 @@ LAUNCH_MODES = {"fastdp_threads": "threads", "fastdp_inline": "inline", "fastdp"
 def launch_entries(records: list[dict]) -> list[dict]:
     """Per step configuration: the floor and each launch strategy (ms, x floor), auto's pick, and
     auto / threads, all from this run's medians."""
-    groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for r in records:
+
+    def key(r: dict) -> tuple | None:
         if r.get("suite") in STEP_SUITES[1:] or r.get("suite", "").startswith("overhead"):
-            key = (r["suite"], r.get("workload"), r.get("input"), r.get("replicas"))
-            groups[key][r.get("mode")] = r
+            return (r["suite"], r.get("workload"), r.get("input"), r.get("replicas"))
+        return None
+
     entries = []
-    for (suite, workload, inp, n), g in groups.items():
+    for (suite, workload, inp, n), g in by_mode(records, key).items():
         floor = g.get("floor") or g.get("model_chunks")
         if not floor or med(floor) is None or not any(m in g for m in LAUNCH_MODES):
             continue
-        entry = {
-            "suite": suite,
-            "workload": workload,
-            "input": inp,
-            "replicas": n,
-            "floor_ms": med(floor),
-        }
+        entry = dict(suite=suite, workload=workload, input=inp, replicas=n, floor_ms=med(floor))
         for m, name in LAUNCH_MODES.items():
             entry[f"{name}_ms"] = med(g.get(m, {}))
             entry[f"{name}_x_floor"] = _ratio(med(g.get(m, {})), med(floor))
@@ -175,16 +156,13 @@ def _fmt(v: object, nd: int = 3) -> str:
     if isinstance(v, float):
         if math.isinf(v) or math.isnan(v):
             return str(v)
-        a = abs(v)
-        return f"{v:.{nd}g}" if a < 1000 else f"{v:,.0f}"
+        return f"{v:.{nd}g}" if abs(v) < 1000 else f"{v:,.0f}"
     return str(v)
 
 
 def _table(title: str, headers: list[str], entries: list[list]) -> str:
     cells = [[_fmt(c) for c in entry] for entry in entries]
-    w = [
-        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
-    ]
+    w = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w[i]) for i, h in enumerate(headers))
     body = [
         "  ".join(c.rjust(w[i]) if i >= 1 and _num(c) else c.ljust(w[i]) for i, c in enumerate(r))
@@ -193,51 +171,46 @@ def _table(title: str, headers: list[str], entries: list[list]) -> str:
     return "\n".join([f"== {title}", line, "-" * len(line), *body, ""])
 
 
+_NUMBER_MARKS = str.maketrans("", "", ".,-e+")
+
+
 def _num(c: str) -> bool:
-    return (
-        c.replace(".", "")
-        .replace(",", "")
-        .replace("-", "")
-        .replace("e", "")
-        .replace("+", "")
-        .isdigit()
-        or c == "-"
-    )
+    """A cell right-aligned in the table: a number as ``_fmt`` writes it, or "-"."""
+    return c.translate(_NUMBER_MARKS).isdigit() or c == "-"
 
 
 def _status(r: dict) -> str:
     s = r.get("status", "ok")
-    return {"check_failed": "CHECK FAILED", "ok": "ok"}.get(s, s)
+    return "CHECK FAILED" if s == "check_failed" else s
 
 
-def _section(suite: str) -> str:
-    if suite in STEP_SUITES[1:]:
-        return "steps"
-    if suite == "replicate":
-        return "replicate"
-    for k, name in (("overhead", "overhead"), ("replicate", "replicate_gpu"), ("comm", "comm")):
-        if k in suite:
-            return name
-    return suite
+# suite -> its table in SECTIONS where the names differ (a suite in neither: the step table)
+SECTION_OF = {
+    "overhead-cuda": "overhead",
+    "gpu-replicate": "replicate_gpu",
+    "multigpu-replicate": "replicate_gpu",
+    "gpu-comm": "comm",
+    "multigpu-comm": "comm",
+}
+
+
+# The references as the table names them: they say what they are.
+REFERENCES = {
+    "bare": "bare (whole batch)",
+    "floor": "floor (chunks in turn)",
+    "model_chunks": "floor (chunks in turn)",
+}
 
 
 def _mode(r: dict) -> str:
-    """The mode as the table names it: the references say what they are."""
-    mode = r.get("mode")
-    if mode == "bare":
-        return "bare (whole batch)"
-    if mode in ("floor", "model_chunks"):
-        return "floor (chunks in turn)"
-    return str(mode)
+    return REFERENCES.get(r.get("mode"), str(r.get("mode")))
 
 
 def _launch(r: dict) -> str:
     """The strategy a fastdp record ran: forced, ``auto → pick``, or why auto picked none."""
     launch = r.get("launch")
-    if launch is None:
-        return "-"
     if launch != "auto":
-        return launch
+        return launch or "-"
     picks = sorted({p["choice"] for p in r.get("launch_pick") or [] if p.get("choice")})
     if picks:
         return f"auto → {'/'.join(picks)}"
@@ -291,11 +264,7 @@ def _get(r: dict, field: Field) -> object:
 # The stdout tables as data: section -> (title, [(column header, field)]), ``_get``'s fields.
 WORKLOAD, MODE, STATUS = ("workload", "workload"), ("mode", _mode), ("status", _status)
 LAUNCH, RAW_MODE, DEVICES = ("launch", _launch), ("mode", "mode"), ("devices", _devs)
-MEDIAN, MIN, MAX = (
-    ("median", "time_ms.median_ms"),
-    ("min", "time_ms.min_ms"),
-    ("max", "time_ms.max_ms"),
-)
+MEDIAN, MIN, MAX = [(k, f"time_ms.{k}_ms") for k in ("median", "min", "max")]
 TIMES, STEP = [MEDIAN, MIN, MAX], ("step ms", "time_ms.median_ms")
 X_FLOOR, X_BARE = ("x floor", "ratios.vs_floor"), ("x bare", "ratios.vs_bare")
 X_DP, X_TORCH = ("x dp_algo", "ratios.vs_dp_algo"), ("x torch", "ratios.vs_torch")
@@ -361,26 +330,25 @@ def format_tables(records: list[dict]) -> str:
     order = list(dict.fromkeys(r["suite"] for r in records if r.get("suite")))
     parts = [] if records else ["(nothing was measured: no requested suite can run here)"]
     for suite in order:
-        title, cols = SECTIONS.get(_section(suite), SECTIONS["steps"])
+        title, cols = SECTIONS.get(SECTION_OF.get(suite, suite), SECTIONS["steps"])
         entries = [
             [_get(r, field) for _, field in cols]
             for r in records
             if r.get("suite") == suite and r.get("status") != "unsupported"
         ]
         parts.append(_table(f"{suite}: {title}", [h for h, _ in cols], entries))
+
+    def where(r: dict) -> str:
+        return f"{r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} {_devs(r)}"
+
     errs = [r for r in records if r.get("error") and r.get("status") != "unsupported"]
     if errs:
         parts.append("== Errors and failed checks")
-        parts += [
-            f"  {r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} "
-            f"{_devs(r)}: {r.get('error')}"
-            for r in errs
-        ]
-    fails = [r for r in records if r.get("status") == "check_failed"]
+        parts += [f"  {where(r)}: {r.get('error')}" for r in errs]
     parts += [
-        f"  CHECK FAILED {r.get('suite')} {r.get('workload', r.get('op'))} {r.get('mode')} "
-        f"{_devs(r)}: {(r.get('check') or {}).get('why', r.get('check'))}"
-        for r in fails
+        f"  CHECK FAILED {where(r)}: {(r.get('check') or {}).get('why', r.get('check'))}"
+        for r in records
+        if r.get("status") == "check_failed"
     ]
     unsup = {r.get("error") for r in records if r.get("status") == "unsupported"}
     parts += [f"note: {u}" for u in unsup]
@@ -414,53 +382,41 @@ def _load(meta: dict) -> str:
     return f"{la['start']:.1f} at start, {la['end']:.1f} at end"
 
 
-# The headline's Markdown tables as data: headline key -> [(header, rule, field, format spec)];
-# spec None: ``_fmt``; a field (a, b): "a (b)", both by ``_fmt``.
-MARKDOWN: dict[str, list[tuple[str, str, str | tuple[str, str], str | None]]] = {
-    "replicate_cpu": [
-        ("layers", "---:", "layers", ""),
-        ("replicas", "---:", "replicas", ""),
-        ("fastdp replicate (ms)", "---:", "fastdp_ms", ".3g"),
-        ("DataParallel's algorithm (ms)", "---:", "dp_algo_ms", ".3g"),
-        ("ratio", "---:", "ratio", ".3f"),
-    ],
-    "overhead": [
-        ("workload", "---", "workload", ""),
-        ("parameter tensors", "---:", "params", ""),
-        ("mode", "---", "mode", ""),
-        ("step (ms)", "---:", "step_ms", None),
-        ("host overhead (ms)", "---:", "overhead_ms", None),
-        ("wrapper Python calls per step", "---:", "wrapper_calls_per_step", None),
-    ],
-    "steps_fastdp": [
-        ("suite", "---", "suite", ""),
-        ("workload", "---", "workload", ""),
-        ("input", "---", "input", ""),
-        ("replicas", "---:", "replicas", ""),
-        ("fastdp step (ms)", "---:", "step_ms", None),
-        ("x floor", "---:", "vs_floor", None),
-        ("x bare", "---:", "vs_bare", None),
-        ("x dp_algo", "---:", "vs_dp_algo", None),
-        ("x nn.DataParallel", "---:", "vs_torch_dp", None),
-    ],
-    "launch": [
-        ("suite", "---", "suite", ""),
-        ("workload", "---", "workload", ""),
-        ("replicas", "---:", "replicas", ""),
-        ("floor (ms)", "---:", "floor_ms", None),
-        ("threads (x floor)", "---:", ("threads_ms", "threads_x_floor"), None),
-        ("inline (x floor)", "---:", ("inline_ms", "inline_x_floor"), None),
-        ("auto (x floor)", "---:", ("auto_ms", "auto_x_floor"), None),
-        ("auto picked", "---", "auto_pick", ""),
-        ("auto / threads", "---:", "auto_x_threads", None),
-    ],
+# The headline's Markdown tables as data: headline key -> (header row, fields). A launch strategy's
+# field is written "its ms (its x floor)"; fields of RAW as they are, of SPECS in their format, any
+# other by ``_fmt``; every column right-aligned but those of TEXT.
+MARKDOWN = {
+    "replicate_cpu": (
+        "layers | replicas | fastdp replicate (ms) | DataParallel's algorithm (ms) | ratio",
+        "layers replicas fastdp_ms dp_algo_ms ratio",
+    ),
+    "overhead": (
+        "workload | parameter tensors | mode | step (ms) | host overhead (ms) | "
+        "wrapper Python calls per step",
+        "workload params mode step_ms overhead_ms wrapper_calls_per_step",
+    ),
+    "steps_fastdp": (
+        "suite | workload | input | replicas | fastdp step (ms) | x floor | x bare | x dp_algo | "
+        "x nn.DataParallel",
+        "suite workload input replicas step_ms vs_floor vs_bare vs_dp_algo vs_torch_dp",
+    ),
+    "launch": (
+        "suite | workload | replicas | floor (ms) | threads (x floor) | inline (x floor) | "
+        "auto (x floor) | auto picked | auto / threads",
+        "suite workload replicas floor_ms threads inline auto auto_pick auto_x_threads",
+    ),
 }
+TEXT = ("suite", "workload", "input", "mode", "auto_pick")
+RAW = (*TEXT, "layers", "replicas", "params")
+SPECS = {"fastdp_ms": ".3g", "dp_algo_ms": ".3g", "ratio": ".3f"}
 
 
-def _cell(r: dict, field: str | tuple[str, str], spec: str | None) -> str:
-    if isinstance(field, tuple):
-        return f"{_fmt(r.get(field[0]))} ({_fmt(r.get(field[1]))})"
-    return _fmt(r.get(field)) if spec is None else format(r[field], spec)
+def _cell(r: dict, field: str) -> str:
+    if field in LAUNCH_MODES.values():
+        return f"{_fmt(r.get(field + '_ms'))} ({_fmt(r.get(field + '_x_floor'))})"
+    if field in RAW or field in SPECS:
+        return format(r[field], SPECS.get(field, ""))
+    return _fmt(r.get(field))
 
 
 def headline_markdown(doc: dict) -> str:
@@ -477,24 +433,19 @@ def headline_markdown(doc: dict) -> str:
         f"1-min load average {_load(meta)}.",
         "",
     ]
-    for key, cols in MARKDOWN.items():
+    for key, (header, fields) in MARKDOWN.items():
         if head.get(key):
+            rules = "|".join("---" if f in TEXT else "---:" for f in fields.split())
+            lines += [f"| {header} |", f"|{rules}|"]
             lines += [
-                "| " + " | ".join(h for h, *_ in cols) + " |",
-                "|" + "|".join(rule for _, rule, *_ in cols) + "|",
-                *(
-                    "| " + " | ".join(_cell(r, f, spec) for *_, f, spec in cols) + " |"
-                    for r in head[key]
-                ),
-                "",
+                "| " + " | ".join(_cell(r, f) for f in fields.split()) + " |" for r in head[key]
             ]
+            lines.append("")
     if head.get("not_ok"):
         lines += ["Not ok in this run: " + "; ".join(head["not_ok"]), ""]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":  # python -m fastdp.bench.report RESULTS.json: Markdown headline
-    import sys
-
     with open(sys.argv[1]) as f:
         print(headline_markdown(json.load(f)))

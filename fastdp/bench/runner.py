@@ -1,24 +1,21 @@
-"""Tasks, run settings, and the one place where a configuration is checked, timed and recorded.
-
-A suite plans a list of ``Task``s (so the progress bar knows the total); each task returns records
-(plain dicts that go to the JSON as they are). Failures never stop the run: an out-of-memory error
-is recorded as ``status: "oom"``, any other exception as ``status: "error"`` with its message, and a
-failed correctness check as ``status: "check_failed"`` (the configuration is still timed, and the
-table flags it).
-"""
+"""Tasks (a suite plans them all first, so the bar knows the total; each returns its records),
+settings, and the one place where a configuration is checked, timed and recorded. A failure is
+recorded as the record's ``status`` (``oom``, ``error``, ``check_failed``); the run goes on."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fastdp import comm
 from fastdp.bench import modes, timing
 from fastdp.bench.workloads import Workload
 
@@ -37,33 +34,26 @@ class Settings:
     rtol_cuda: float = 2e-3  # cuDNN picks per-shape algorithms (TF32 convolutions by default)
     check: bool = True
 
-    def measure_many(
-        self, fns: dict[str, Callable[[], object]], sync: Callable[[], None] | None = None
-    ) -> dict[str, timing.Stats]:
-        return timing.measure_many(
-            fns,
-            warmup=self.warmup,
-            repeats=self.repeats,
-            min_repeat_s=self.min_repeat_s,
-            max_total_s=self.max_total_s,
-            sync=sync,
-        )
-
 
 @dataclass
 class Task:
     suite: str
     label: str
     fn: Callable[[], list[dict]]
-    records: list[dict] = field(default_factory=list)
 
 
-def _oom_types() -> tuple[type, ...]:
-    found = (
-        getattr(torch, "OutOfMemoryError", None),
-        getattr(torch.cuda, "OutOfMemoryError", None),
-    )
-    return tuple(t for t in found if t is not None)
+def last_only(make: Callable) -> Callable:
+    """``make`` with its last result kept: the same arguments again return it; other arguments
+    drop it before ``make`` runs (one model alive at a time)."""
+    last: dict = {}
+
+    def get(*key: object) -> object:
+        if key not in last:
+            last.clear()
+            last[key] = make(*key)
+        return last[key]
+
+    return get
 
 
 def short_error(e: BaseException) -> str:
@@ -71,22 +61,29 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:300]
 
 
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def guarded(record: dict, body: Callable[[dict], None]) -> dict:
     """Runs ``body(record)``, turning OOM and exceptions into the record's status."""
     record.setdefault("status", "ok")
     try:
         body(record)
-    except _oom_types() as e:
-        record.update(status="oom", error=short_error(e))
-        _release()
     except Exception as e:  # recorded and shown in the table, never hidden
-        if "out of memory" in str(e).lower():
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
             record.update(status="oom", error=short_error(e))
             _release()
         else:
-            record.update(
-                status="error", error=short_error(e), traceback=traceback.format_exc(limit=-4)
-            )
+            record.update(status="error", error=short_error(e))
+            record["traceback"] = traceback.format_exc(limit=-4)
     return record
 
 
@@ -98,8 +95,6 @@ def _release() -> None:
 
 def _pool_allocations() -> int:
     """Blocks the extension's pinned pool allocated so far (0 without a CUDA build)."""
-    from fastdp import comm
-
     return comm.copy_stats()["pinned_pool_allocations"]
 
 
@@ -111,7 +106,8 @@ def time_into(s: Settings, fns: dict, recs: dict, sync: Callable[[], None] | Non
     before = _pool_allocations()
 
     def body(_: dict) -> None:
-        for key, st in s.measure_many(fns, sync).items():
+        kw = dict(warmup=s.warmup, repeats=s.repeats, min_repeat_s=s.min_repeat_s)
+        for key, st in timing.measure_many(fns, max_total_s=s.max_total_s, sync=sync, **kw).items():
             recs[key]["time_ms"] = st.as_dict()
             recs[key]["pinned_pool_allocations"] = {"before": before}
         after = _pool_allocations()
@@ -132,39 +128,30 @@ def time_modes(
     mode_list: Sequence[str],
     model: nn.Module,
     args: tuple,
-    devices: Sequence | None,
-    n: int,
-    ref_device: torch.device | str,
-    input_kind: str | None = None,
-    step: str = "train",
-    sync: Callable[[], None] | None = None,
-    extra: dict | None = None,
+    devices: Sequence | None = None,
+    n: int | None = None,
+    ref_device: torch.device | str | None = None,
     bare_model: nn.Module | None = None,
+    **fields: object,
 ) -> list[dict]:
     """Checks each wrapper, then times every mode of ``mode_list`` interleaved; one record each.
 
     ``bare`` runs ``bare_model`` (default ``model``) on the whole batch, ``floor`` on the
-    replicas' chunks in turn (neither is checked); the wrappers run on ``devices``. A mode that
+    replicas' chunks in turn (neither is checked); the wrappers run on ``devices`` (``n`` of them,
+    checked against ``ref_device``, by default the first, or the CPU without devices). A mode that
     fails its set-up or first step is recorded and left out of the timing; the others are still
     timed. ``auto`` wrappers are timed once their trial steps are over (``modes.settle``).
+    ``fields`` go into every record: ``step`` ("train", the default, or "forward"), ``input``
+    (by default the workload's), any other.
     """
-    base = {
-        "suite": suite,
-        "workload": w.name,
-        "input": input_kind or w.input_kind,
-        "replicas": n,
-        "step": step,
-        "batch": w.batch,
-        "layers": w.layers,
-        **(extra or {}),
-    }
-    names = (
-        None
-        if devices is None
-        else [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
-    )
+    n = n or (len(devices) if devices else 1)
+    base = dict(suite=suite, workload=w.name, input=w.input_kind, replicas=n, step="train")
+    base.update(batch=w.batch, layers=w.layers, **fields)
+    names = devices and [f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices]
+    ref_device = ref_device or (names[0] if names else "cpu")
+    sync = timing.cuda_sync(names or [])  # every CUDA device in use, before and after a repeat
     recs = {m: {**base, "mode": m, "devices": None if m == "bare" else names} for m in mode_list}
-    make = modes.train_step if step == "train" else modes.forward_step
+    make = modes.train_step if base["step"] == "train" else modes.forward_step
     steps: dict[str, Callable[[], None]] = {}
     calls: dict[str, Callable] = {}
     with contextlib.ExitStack() as stack:
@@ -172,9 +159,7 @@ def time_modes(
             target = (bare_model or model) if m in ("bare", "floor") else model
             wrapper = modes.wrapped(m, target, None if m == "bare" else devices)
 
-            def setup(
-                r: dict, m: str = m, wrapper: contextlib.AbstractContextManager = wrapper
-            ) -> None:
+            def setup(r: dict, m: str = m, wrapper: contextlib.AbstractContextManager = wrapper):
                 calls[m] = call = stack.enter_context(wrapper)
                 if m not in ("bare", "floor") and s.check:
                     check_mode(r, s, m, model, call, args, n, ref_device)
@@ -194,7 +179,7 @@ def time_modes(
 
 def check_mode(
     r: dict, s: Settings, m: str, model: nn.Module, call: Callable, args: tuple, n: int, ref_device
-) -> None:  # noqa: ANN001
+) -> None:
     """``r["check"]``: mode ``m``'s outputs and gradients against the module on the chunks."""
     rtol = s.rtol_cuda if torch.device(ref_device).type == "cuda" else s.rtol_cpu
     # nn.DataParallel without CUDA runs the module on the whole batch
@@ -220,9 +205,7 @@ def record_launch(recs: dict, calls: dict) -> None:
             recs[m]["launch_pick"] = call.launch_report()
 
 
-def run_tasks(
-    tasks: list[Task], progress: bool = True, sink: Callable[[list[dict]], None] | None = None
-) -> list[dict]:
+def run_tasks(tasks: list[Task], progress: bool = True, sink: Callable | None = None) -> list[dict]:
     """Runs every task under a tqdm bar on stderr (no bar when tqdm is missing); ``sink`` gets
     each task's records as soon as it is done (what a run cut short keeps)."""
     bar = None
@@ -233,31 +216,22 @@ def run_tasks(
             tqdm.monitor_interval = 0  # no monitor thread: it would show up in call counts
             bar = tqdm(total=len(tasks), unit="cfg", dynamic_ncols=True, leave=False)
         except ImportError:
-            import sys
-
             print("fastdp.bench: tqdm is not installed; no progress bar.", file=sys.stderr)
     out: list[dict] = []
     for t in tasks:
         if bar is not None:
             bar.set_description(f"{t.suite}: {t.label}"[:60])
-        t0 = time.perf_counter()
-        try:
-            t.records = t.fn()
-        except Exception as e:  # a planning bug in one task must not lose the others
-            t.records = [
-                {
-                    "suite": t.suite,
-                    "label": t.label,
-                    "status": "error",
-                    "error": short_error(e),
-                    "traceback": traceback.format_exc(limit=-4),
-                }
-            ]
-        for r in t.records:
+        t0, records = time.perf_counter(), []
+        failed = guarded(
+            {"suite": t.suite, "label": t.label}, lambda _, got=records, fn=t.fn: got.extend(fn())
+        )
+        if failed["status"] != "ok":  # a bug in one task must not lose the others
+            records = [failed]
+        for r in records:
             r["task"], r["task_s"] = t.label, round(time.perf_counter() - t0, 3)
-        out.extend(t.records)
+        out.extend(records)
         if sink is not None:
-            sink(t.records)
+            sink(records)
         t.fn = None  # drop the task's models and wrappers before the next one
         _release()
         if bar is not None:

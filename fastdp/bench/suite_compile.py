@@ -1,28 +1,22 @@
-"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (modes,
-workloads and the recorded fields in bench/README.md, *Suites*). ``torch_dp`` is recorded as
-unsupported: ``nn.DataParallel`` has no CPU replicas, and its ``replicate`` writes a compiled
-module's copies into the module itself (RecursionError on the next step; NOTE [ Compiled
-replicas ]).
-"""
+"""The ``compile`` suite: training steps with ``torch.compile`` on persistent replicas (bench/
+README.md, *Suites*). ``torch_dp`` is unsupported: no CPU replicas, and its ``replicate`` writes a
+compiled module's copies into the module itself (NOTE [ Compiled replicas ])."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+import fastdp
 from fastdp.bench import modes
 from fastdp.bench.runner import Settings, Task, check_mode, guarded, time_into
 
 COMPILED = ("floor_compiled", "fastdp_compiled", "fastdp_wrapper", "dp_algo_compiled")
-FLOOR = {
-    "fastdp_compiled": "floor_compiled",
-    "fastdp_wrapper": "floor_compiled",
-    "dp_algo_compiled": "floor_compiled",
-    "fastdp": "floor",
-}
+FLOOR = {**dict.fromkeys(COMPILED[1:], "floor_compiled"), "fastdp": "floor"}  # mode -> its floor
 _TORCH_DP = (
     "nn.DataParallel has no CPU replicas (without CUDA it calls the module directly), "
     "and its replicate() corrupts a torch.compile'd module (RecursionError)"
@@ -31,10 +25,8 @@ _TORCH_DP = (
 
 def gelu_mlp(width: int, depth: int = 4, out: int = 8) -> nn.Sequential:
     """The issue's model: ``depth`` x (Linear(width, width), GELU) + Linear(width, out)."""
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, out))
+    blocks = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())]
+    return nn.Sequential(*blocks, nn.Linear(width, out))
 
 
 # name -> (width, batch) per profile: the issue's 64-wide MLP at batch 64, and a wider one
@@ -45,41 +37,27 @@ WORKLOADS = {
 }
 
 
-def _counts() -> int:
+def _frames(graphs: bool = False) -> int:
+    """Frames dynamo compiled so far (``graphs``: plus the graphs it made)."""
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
+    return counters["frames"]["total"] + (counters["stats"]["unique_graphs"] if graphs else 0)
 
 
-def _frames() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["frames"]["total"]
-
-
-def compile_tasks(s: Settings, options: dict | None = None) -> list[Task]:
-    options = options or {}  # torch.compile's defaults: inductor, mode "default"
+def compile_tasks(s: Settings) -> list[Task]:
     kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     table = WORKLOADS.get(s.profile, WORKLOADS["cpu"])
     ns = [n for n in s.replicas if n > 1] or [2]
     return [
-        Task(
-            "compile",
-            f"{name} {kind} x{n}",
-            lambda name=name, wb=wb, kind=kind, n=n: _run(s, name, wb, kind, n, options),
-        )
+        Task("compile", f"{name} {kind} x{n}", functools.partial(_run, s, name, wb, kind, n))
         for name, wb in table.items()
         for kind in kinds
         for n in ns
     ]
 
 
-def _run(
-    s: Settings, name: str, wb: tuple[int, int], kind: str, n: int, options: dict
-) -> list[dict]:
+def _run(s: Settings, name: str, wb: tuple[int, int], kind: str, n: int) -> list[dict]:
     import torch._dynamo
-
-    import fastdp
 
     width, batch = wb
     dev = "cpu" if kind == "cpu" else "cuda:0"
@@ -90,20 +68,12 @@ def _run(
     torch.manual_seed(1)
     args = (torch.randn(batch, width, device=dev),)
     chunks = modes.chunk_inputs(args, n)
-    cm = torch.compile(model, **options)
-    base = {
-        "suite": "compile",
-        "workload": name,
-        "input": "tensor",
-        "replicas": n,
-        "devices": [str(torch.device(dev))] * n,
-        "batch": batch,
-        "width": width,
-        "step": "train",
-        "compile_options": {k: str(v) for k, v in options.items()},
-    }
+    cm = torch.compile(model)  # torch.compile's defaults: inductor, mode "default"
+    base = dict(suite="compile", workload=name, input="tensor", replicas=n)
+    base.update(devices=[str(torch.device(dev))] * n, batch=batch, width=width, step="train")
+    base.update(compile_options={})
     wrapper = fastdp.FastDataParallel(model, device_ids=ids)
-    wrapper.compile(**options)
+    wrapper.compile()
     calls: dict[str, tuple[Callable, nn.Module | None]] = {
         "floor_compiled": (_on_chunks(cm, chunks), None),
         "fastdp_compiled": (fastdp.FastDataParallel(cm, device_ids=ids), cm),
@@ -130,16 +100,7 @@ def _run(
     return out
 
 
-def _settle(
-    r: dict,
-    s: Settings,
-    m: str,
-    call: Callable,
-    ref: nn.Module | None,
-    args: tuple,
-    n: int,
-    dev: str,
-) -> Callable[[], None]:
+def _settle(r: dict, s: Settings, m: str, call: Callable, ref, args: tuple, n: int, dev: str):
     """The first step (timed, frames counted for a compiled mode), the check of a wrapper against
     its module on the chunks, then recompiles over 20 steady steps; returns the step."""
     step = modes.train_step(call, () if ref is None else args)
@@ -152,20 +113,16 @@ def _settle(
         check_mode(r, s, m, ref, call, args, n, dev)
     for _ in range(3):
         step()
-    before = _counts()
+    before = _frames(graphs=True)
     for _ in range(20):
         step()
-    r["recompiles_20_steps"] = _counts() - before
+    r["recompiles_20_steps"] = _frames(graphs=True) - before
     return step
 
 
 def _on_chunks(module: Callable, chunks: list[tuple]) -> Callable:
     """The module on the chunks in turn, outputs concatenated (the floor of a wrapper)."""
-
-    def call() -> torch.Tensor:
-        return modes.concat_outputs([module(*c) for c in chunks])
-
-    return call
+    return lambda: modes.concat_outputs([module(*c) for c in chunks])
 
 
 def _ratios(recs: dict[str, dict]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import fastdp
 import fastdp.bench.workloads as wl
-from fastdp.bench import modes
+from fastdp.bench import modes, timing
 from fastdp.bench.runner import Settings, Task, guarded, time_into
 
 WORKLOADS = {"tiny": ("mlp10",), "quick": ("mlp100", "transformer12")}
@@ -109,18 +109,9 @@ def _run(s: Settings, name: str, kind: str, storage: str, ids: list) -> list[dic
         guarded(recs["zero"], check)
         for m in wrappers:
             steps[f"{m}_opt_step"] = opts[m].step
-        sync = _sync(ids) if kind == "cuda" else None
-        time_into(s, steps, recs, sync)
+        time_into(s, steps, recs, timing.cuda_sync(base["devices"]))
     _ratios(recs)
     return list(recs.values())
-
-
-def _sync(ids: list) -> Callable[[], None]:
-    def sync() -> None:
-        for i in sorted(set(ids)):
-            torch.cuda.synchronize(i)
-
-    return sync
 
 
 def _check_and_count(r: dict, recs: dict, wrappers: dict, opts: dict, args: tuple) -> None:

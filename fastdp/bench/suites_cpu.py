@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import time
 
 import torch
 from torch import nn
 
+import fastdp
 import fastdp.bench.workloads as wl
 from fastdp.bench import modes, timing
 from fastdp.bench.runner import (
@@ -17,6 +20,7 @@ from fastdp.bench.runner import (
     Task,
     check_mode,
     guarded,
+    last_only,
     record_launch,
     time_into,
     time_modes,
@@ -72,9 +76,6 @@ def passthrough(s: Settings) -> list[Task]:
             w=w,
             model=model,
             args=args,
-            devices=None,
-            n=1,
-            ref_device="cpu",
             step=step,
             mode_list=("bare", "torch_dp", "fastdp", "fastdp_noext"),
         )
@@ -94,13 +95,13 @@ def passthrough(s: Settings) -> list[Task]:
 def cpu_replicas(s: Settings) -> list[Task]:
     """Per workload and replica count: bare, fastdp, fastdp_noext, dp_algo timed interleaved."""
     cat = wl.catalogue(s.profile)
-    cache: dict[str, tuple] = {}
+
+    @last_only
+    def model_and_args(w: wl.Workload) -> tuple:
+        return wl.build(w, "cpu"), wl.make_inputs(w, "cpu")
 
     def run(w: wl.Workload, n: int) -> list[dict]:
-        if w.name not in cache:
-            cache.clear()  # one workload alive at a time
-            cache[w.name] = (wl.build(w, "cpu"), wl.make_inputs(w, "cpu"))
-        model, args = cache[w.name]
+        model, args = model_and_args(w)
         recs = time_modes(
             s,
             suite="cpu-replicas",
@@ -108,24 +109,11 @@ def cpu_replicas(s: Settings) -> list[Task]:
             model=model,
             args=args,
             devices=["cpu"] * n,
-            n=n,
-            ref_device="cpu",
             mode_list=("bare", "floor", *modes.WRAPPERS[1:]),
         )
-        recs.append(
-            {
-                "suite": "cpu-replicas",
-                "workload": w.name,
-                "input": w.input_kind,
-                "mode": "torch_dp",
-                "replicas": n,
-                "devices": ["cpu"] * n,
-                "step": "train",
-                "status": "unsupported",
-                "error": _TORCH_DP_CPU,
-            }
-        )
-        return recs
+        torch_dp = dict(suite="cpu-replicas", workload=w.name, input=w.input_kind, mode="torch_dp")
+        torch_dp.update(replicas=n, devices=["cpu"] * n, step="train")
+        return [*recs, {**torch_dp, "status": "unsupported", "error": _TORCH_DP_CPU}]
 
     return [
         Task("cpu-replicas", f"{name} x{n}", lambda w=cat[name], n=n: run(w, n))
@@ -135,8 +123,6 @@ def cpu_replicas(s: Settings) -> list[Task]:
 
 
 def _areas() -> dict[str, str]:
-    import fastdp
-
     fdp = os.path.dirname(os.path.abspath(fastdp.__file__))
     par = os.path.dirname(os.path.abspath(torch.nn.parallel.__file__))
     return {
@@ -149,35 +135,26 @@ def _areas() -> dict[str, str]:
 def overhead_tasks(
     s: Settings, device: str = "cpu", n: int = 4, per_replica: int = 2
 ) -> list[Task]:
-    """Host time and Python calls per step of the wrapper itself: the step minus the model's own
-    work, the bare module on the same ``n`` chunks in turn (``model_chunks``). ``per_replica``
-    samples per replica (2: BatchNorm needs more than one value per channel), so the wrapper's
-    cost shows. How calls are counted and attributed: bench/README.md, *Python calls per step*.
-    Times: the wrappers and the model step interleaved, with fresh wrappers (the hook off).
-    """
+    """Host time and Python calls per step of the wrapper itself: the step minus the bare module
+    on the same ``n`` chunks in turn (``model_chunks``), ``per_replica`` samples each (2: BatchNorm
+    needs more than one value per channel). Counted with the hook on, then timed interleaved with
+    fresh wrappers and the hook off."""
     cat = wl.catalogue(s.profile)
     names = what_runs(s.profile, "overhead")
     cuda = device == "cuda"
     dev = "cuda:0" if cuda else "cpu"
     ids = 0 if cuda else "cpu"
-    runs = [("fastdp", n), ("fastdp_threads", n), ("fastdp_inline", n), ("dp_algo", n)] + (
-        [("torch_dp", n), ("torch_dp", 1)] if cuda else []
-    )
+    runs = [(m, n) for m in ("fastdp", "fastdp_threads", "fastdp_inline", "dp_algo")]
+    runs += [("torch_dp", n), ("torch_dp", 1)] if cuda else []
     suite = "overhead-cuda" if cuda else "overhead"
     sync = timing.cuda_sync([dev]) if cuda else None
 
     def run(w: wl.Workload) -> list[dict]:
         model = wl.build(w, dev)
         args = wl.make_inputs(w, dev, batch=n * per_replica)
-        base = {
-            "suite": suite,
-            "workload": w.name,
-            "input": w.input_kind,
-            "batch": n * per_replica,
-            "layers": w.layers,
-            "params": sum(1 for _ in model.parameters()),
-            "modules": sum(1 for _ in model.modules()),
-        }
+        base = dict(suite=suite, workload=w.name, input=w.input_kind, batch=n * per_replica)
+        base.update(layers=w.layers, params=len(list(model.parameters())))
+        base.update(modules=len(list(model.modules())))
         refs = {k: _model_step(model, args, k) for k in sorted({k for _, k in runs})}
         keys = [("model_chunks", k) for k in refs] + runs
         recs = {(m, k): {**base, "mode": m, "replicas": k, "devices": [dev] * k} for m, k in keys}
@@ -209,7 +186,7 @@ def _subtract_model(recs: dict) -> None:
             r["wrapper_calls_per_step"] = r["calls"]["outside"] - ref["calls"]["outside"]
 
 
-def _model_step(model, args: tuple, k: int):  # noqa: ANN001, ANN202
+def _model_step(model, args: tuple, k: int):
     chunks = modes.chunk_inputs(args, k)
 
     def model_step() -> None:
@@ -221,29 +198,22 @@ def _model_step(model, args: tuple, k: int):  # noqa: ANN001, ANN202
 COUNT_WARMUP, COUNT_STEPS = 2, 2  # counts barely vary (thread synchronisation can add a few)
 
 
-def _count(r: dict, step, codes: set) -> None:  # noqa: ANN001
+def _count(r: dict, step, codes: set) -> None:
     with timing.CallCounter(_areas(), codes) as cc:
-        for _ in range(COUNT_WARMUP):
-            step()
         _record_counts(r, cc, step)
 
 
-def _record_counts(r: dict, cc: timing.CallCounter, step) -> None:  # noqa: ANN001
+def _record_counts(r: dict, cc: timing.CallCounter, step) -> None:
+    """The calls of ``step`` after its uncounted warm-up steps."""
+    for _ in range(COUNT_WARMUP):
+        step()
     r["calls"] = cc.counted(step, steps=COUNT_STEPS)
     r["calls_per_step"] = r["calls"]["total"]
     r["calls_in"] = cc.area_counts()
     r["top_functions"] = cc.top()
 
 
-def _count_wrapper(
-    r: dict,
-    s: Settings,
-    mode: str,
-    model,
-    args: tuple,
-    devices: list,  # noqa: ANN001
-    dev: str,
-) -> None:
+def _count_wrapper(r: dict, s: Settings, mode: str, model, args, devices: list, dev: str) -> None:
     """Checks, then counts a wrapper's step. The counter is entered before the wrapper exists so
     that any thread the wrapper starts carries the hook."""
     codes = timing.forward_codes(model)
@@ -252,19 +222,14 @@ def _count_wrapper(
             check_mode(r, s, mode, model, call, args, len(devices), dev)
         step = modes.in_mode(mode, modes.train_step(call, args))
         modes.settle(call, step)  # auto: counted once its trials are over
-        for _ in range(COUNT_WARMUP):
-            step()
         _record_counts(r, cc, step)
     model.zero_grad(set_to_none=True)
 
 
-def _time_together(s: Settings, recs: dict, refs: dict, model, args, ids, sync) -> None:  # noqa: ANN001
+def _time_together(s: Settings, recs: dict, refs: dict, model, args, ids, sync) -> None:
     """Times every run that counted without error, interleaved, with fresh wrappers."""
-    fns = {
-        ("model_chunks", k): fn
-        for k, fn in refs.items()
-        if recs[("model_chunks", k)].get("status") == "ok"
-    }
+    ok = [k for k in refs if recs[("model_chunks", k)].get("status") == "ok"]
+    fns = {("model_chunks", k): refs[k] for k in ok}
     calls = {}
     with contextlib.ExitStack() as stack:
         for (m, k), r in recs.items():
@@ -289,17 +254,14 @@ def consume_graph(replicas: list) -> None:
                 return
 
 
-def _check_replicas(r: dict, replicate, model: nn.Module, x: torch.Tensor, n: int) -> None:  # noqa: ANN001
+def _check_replicas(r: dict, replicate, model: nn.Module, x: torch.Tensor, n: int) -> None:
     """Every replica ``replicate()`` makes computes what the module computes; then the Python
     calls of one steady-state call (``calls_per_call``, ``top_functions``)."""
     reps = replicate()
     want = model(x)
     err = max((rep(x) - want).abs().max().item() for rep in reps)
-    r["check"] = {
-        "ok": len(reps) == n and err <= 1e-6 * max(1.0, want.abs().max().item()),
-        "max_abs_err": err,
-        "replicas": len(reps),
-    }
+    ok = len(reps) == n and err <= 1e-6 * max(1.0, want.abs().max().item())
+    r["check"] = {"ok": ok, "max_abs_err": err, "replicas": len(reps)}
     if not r["check"]["ok"]:
         r["status"] = "check_failed"
     consume_graph(reps)
@@ -311,49 +273,29 @@ def _check_replicas(r: dict, replicate, model: nn.Module, x: torch.Tensor, n: in
 
 
 def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) -> list[Task]:
-    """Steady-state ``replicate()`` cost on ``n`` CPU replicas: ``FastDataParallel.replicate``
-    (after warm-up calls) vs DataParallel's algorithm (``fastdp.replicate.replicate``, fresh
-    replicas every call), in training mode with grad enabled as inside a training step. Each
-    timed call is followed, untimed, by a backward through the replicas (``consume_graph``), as in
-    training; both are timed interleaved. Checked first: every replica computes what the module
-    computes. Also counted: Python calls per ``replicate()`` call."""
+    """Steady-state ``replicate()`` on ``n`` CPU replicas, ``FastDataParallel.replicate`` vs
+    DataParallel's algorithm, in training mode with grad enabled; each timed call followed,
+    untimed, by a backward through the replicas (``consume_graph``)."""
     layers = layers or what_runs(s.profile, "replicate")
 
     def run(k: int) -> list[dict]:
-        import fastdp
-
-        fresh = modes.fresh_replicate
         torch.manual_seed(0)
         model = wl.mlp(k).train()
         x = torch.randn(2, 32)
-        base = {
-            "suite": "replicate",
-            "workload": f"mlp{k}",
-            "layers": k,
-            "replicas": n,
-            "devices": ["cpu"] * n,
-            "params": 2 * k,
-            "modules": k + 1,
-        }
+        base = dict(suite="replicate", workload=f"mlp{k}", layers=k, replicas=n)
+        base.update(devices=["cpu"] * n, params=2 * k, modules=k + 1)
         fdp = fastdp.FastDataParallel(model, device_ids=["cpu"] * n)
         ids = fdp.device_ids
         impls = {
             "fastdp": lambda: fdp.replicate(fdp.module, ids),
-            "dp_algo": lambda: fresh(model, ids, not torch.is_grad_enabled()),
+            "dp_algo": lambda: modes.fresh_replicate(model, ids, not torch.is_grad_enabled()),
         }
         recs = {m: {**base, "mode": m} for m in impls}
         for m, fn in impls.items():
             guarded(recs[m], lambda r, fn=fn: _check_replicas(r, fn, model, x, n))
         model.zero_grad(set_to_none=True)
-        time_into(
-            s,
-            {
-                m: (impls[m], consume_graph)
-                for m, r in recs.items()
-                if r["status"] in ("ok", "check_failed")
-            },
-            recs,
-        )
+        ok = [m for m, r in recs.items() if r["status"] in ("ok", "check_failed")]
+        time_into(s, {m: (impls[m], consume_graph) for m in ok}, recs)
         model.zero_grad(set_to_none=True)
         return list(recs.values())
 
@@ -361,13 +303,10 @@ def replicate_tasks(s: Settings, layers: list[int] | None = None, n: int = 4) ->
 
 
 def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
-    """What a live persistent wrapper costs the rest of the process (NOTE [ Replica invalidation
-    ]): building ``nn.Sequential(Linear(32, 32) x layers)`` (default init) with no wrapper
-    (``without``) and while a persistent wrapper that has run a step is alive (``with``),
-    alternated (the wrapper made and dropped outside the timed build), gc collected before each.
-    The record says whether ``nn.Module``'s attributes stay the ones it had before the first
-    wrapper of the run and none of them (or what it wraps) is fastdp's: other libraries add their
-    own (transformers sets ``nn.Module.smart_apply``), which says nothing about fastdp."""
+    """Building ``nn.Sequential(Linear(32, 32) x layers)`` with no wrapper and while a persistent
+    wrapper is alive (bench/README.md). ``nn_module_untouched``: ``nn.Module``'s attributes are
+    the ones it had before the first wrapper of the run and none is fastdp's (other libraries add
+    their own, e.g. transformers' ``smart_apply``, which says nothing about fastdp)."""
     before = dict(vars(nn.Module))
 
     def fastdps(f: object) -> bool:
@@ -383,11 +322,6 @@ def module_build_tasks(s: Settings, layers: int = 1000) -> list[Task]:
         return same and not any(fastdps(f) for f in now.values() if callable(f))
 
     def run() -> list[dict]:
-        import gc
-        import time
-
-        import fastdp
-
         base = {"suite": "module-build", "workload": f"mlp{layers}", "layers": layers}
         recs = {m: {**base, "mode": m} for m in ("without", "with")}
         ms: dict[str, list[float]] = {m: [] for m in recs}

@@ -1,24 +1,21 @@
-"""The GPU suites (planned only where ``torch.cuda.is_available()``): ``gpu-comm`` /
-``multigpu-comm``, ``gpu-replicate`` / ``multigpu-replicate``, ``gpu-steps`` / ``multigpu-steps``;
-what each measures is in bench/README.md, *Suites*.
-
-``DRY_RUN = True`` (the hidden ``--gpu-dry-run`` flag) runs the same code on CPU devices, so a
-machine without a GPU can execute every line of these suites; its figures mean nothing.
-"""
+"""The GPU suites: ``gpu-``/``multigpu-`` ``comm``, ``replicate`` and ``steps`` (bench/README.md,
+*Suites*). ``DRY_RUN = True`` (the hidden ``--gpu-dry-run``) runs them on CPU devices, so that a
+machine without a GPU executes every line of them; its figures mean nothing."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn.parallel import comm as tcomm
 
+import fastdp
 import fastdp.bench.workloads as wl
+from fastdp import comm as fcomm
 from fastdp.bench import modes, timing
-from fastdp.bench.runner import Settings, Task, guarded, time_into, time_modes
+from fastdp.bench.runner import Settings, Task, guarded, last_only, threads, time_into, time_modes
 from fastdp.bench.suites_cpu import consume_graph
 
 MiB = 1 << 20
@@ -42,10 +39,6 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if DRY_RUN else t.pin_memory()
 
 
-def _sync(devices: list[int]) -> Callable[[], None]:
-    return timing.cuda_sync([dev(d) for d in devices])
-
-
 def device_sets(multi: bool, replicas: tuple[int, ...]) -> list[list[int]]:
     """``[0] * n`` for the shared-GPU suites; ``[0..k-1]`` for k = 1, 2, 4, ... and all GPUs."""
     if not multi:
@@ -55,15 +48,14 @@ def device_sets(multi: bool, replicas: tuple[int, ...]) -> list[list[int]]:
     return [list(range(k)) for k in ks]
 
 
-def comm_sizes(profile: str) -> list[int]:
-    if profile == "tiny":
-        return [MiB]
-    if profile == "quick":
-        return [MiB, 64 * MiB]
-    return [64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+COMM_SIZES = {
+    "tiny": [MiB],
+    "quick": [MiB, 64 * MiB],
+    "gpu": [64 << 10, MiB, 16 * MiB, 64 * MiB, 256 * MiB],
+}
 
 
-def _exact(got, want) -> bool:  # noqa: ANN001
+def _exact(got, want) -> bool:
     got, want = wl.tensors_of(got), wl.tensors_of(want)
     return len(got) == len(want) and all(
         a.device == b.device and torch.equal(a, b) for a, b in zip(got, want)
@@ -72,8 +64,6 @@ def _exact(got, want) -> bool:  # noqa: ANN001
 
 def _both(op: str, *args: object) -> dict[str, Callable[[], object]]:
     """``torch.nn.parallel.comm``'s ``op`` and ``fastdp.comm``'s, on the same arguments."""
-    from fastdp import comm as fcomm
-
     return {"torch": lambda: getattr(tcomm, op)(*args), "fastdp": lambda: getattr(fcomm, op)(*args)}
 
 
@@ -117,7 +107,7 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
     suite = "multigpu-comm" if multi else "gpu-comm"
     devices = list(range(gpu_count())) if multi else [0] * 4
     devs = [dev(d) for d in devices]
-    sync = _sync(devices)
+    sync = timing.cuda_sync(devs)
 
     def run(size: int) -> list[dict]:
         n = len(devices)
@@ -128,35 +118,27 @@ def comm_tasks(s: Settings, multi: bool) -> list[Task]:
         fns: dict[tuple, Callable] = {}
         passes = [(op, None) for op in ops if op not in THREADED_OPS]
         passes += [(op, t) for t in PAGEABLE_THREADS for op in THREADED_OPS]
-        for op, threads in passes:
+        for op, n_threads in passes:
             kind, impls, ref = ops[op]
             for impl, fn in impls.items():
-                key = (op, impl, threads)
-                recs[key] = guarded(
-                    {
-                        "suite": suite,
-                        "op": op,
-                        "kind": kind,
-                        "mode": impl,
-                        "bytes": x.numel() * 4,
-                        "devices": [str(d) for d in devs],
-                        "replicas": n,
-                        "tensors": tensors if kind == "broadcast" else 1,
-                        "threads": threads or torch.get_num_threads(),
-                    },
-                    lambda r, fn=fn, ref=ref: _check_exact(r, fn, ref),
-                )
+                key = (op, impl, n_threads)
+                r = dict(suite=suite, op=op, kind=kind, mode=impl, bytes=x.numel() * 4)
+                r.update(devices=[str(d) for d in devs], replicas=n)
+                r.update(tensors=tensors if kind == "broadcast" else 1)
+                r.update(threads=n_threads or torch.get_num_threads())
+                recs[key] = guarded(r, lambda r, fn=fn, ref=ref: _check_exact(r, fn, ref))
                 if recs[key]["status"] in ("ok", "check_failed"):
                     fns[key] = fn
         time_into(s, {k: f for k, f in fns.items() if k[2] is None}, recs, sync)
         for t in PAGEABLE_THREADS:
-            with _threads(t):
+            with threads(t):
                 time_into(s, {k: f for k, f in fns.items() if k[2] == t}, recs, sync)
         out = list(recs.values())
         _bandwidths(out)
         return out
 
-    return [Task(suite, f"{z >> 10} KiB", lambda z=z: run(z)) for z in comm_sizes(s.profile)]
+    sizes = COMM_SIZES.get(s.profile, COMM_SIZES["gpu"])
+    return [Task(suite, f"{z >> 10} KiB", lambda z=z: run(z)) for z in sizes]
 
 
 def _check_exact(r: dict, fn: Callable[[], object], ref: object) -> None:
@@ -186,17 +168,6 @@ def _bandwidths(out: list[dict]) -> None:
             r["frac_of_limit"] = r["gbps"] / lim["gbps"]
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` inside the block."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
     """``replicate()`` cost of GPU workloads on 4 replicas of cuda:0 or on every GPU."""
     suite = "multigpu-replicate" if multi else "gpu-replicate"
@@ -205,31 +176,20 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
     names = ("mlp100",) if s.profile == "tiny" else ("mlp1000", "resnet50")
 
     def run(w: wl.Workload) -> list[dict]:
-        import fastdp
-        from fastdp import comm as fcomm
-
-        fresh = modes.fresh_replicate
-
         model = wl.build(w, dev(0))
         fdp = fastdp.FastDataParallel(model, device_ids=ids(devices))
         params = list(model.parameters())
         d = ids(devices)
         impls = {
             "torch": lambda: torch.nn.parallel.replicate(model, d),
-            "dp_algo": lambda: fresh(model, d, False),
+            "dp_algo": lambda: modes.fresh_replicate(model, d, False),
             "fastdp": lambda: fdp.replicate(fdp.module, fdp.device_ids),
             "torch_broadcast_coalesced": lambda: tcomm.broadcast_coalesced(params, d),
             "fastdp_comm_broadcast_coalesced": lambda: fcomm.broadcast_coalesced(params, d),
         }
-        base = {
-            "suite": suite,
-            "workload": w.name,
-            "layers": w.layers,
-            "replicas": len(devices),
-            "devices": [str(dev(i)) for i in devices],
-            "params": len(params),
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-        }
+        base = dict(suite=suite, workload=w.name, layers=w.layers, replicas=len(devices))
+        base.update(devices=[str(dev(i)) for i in devices], params=len(params))
+        base.update(param_bytes=sum(p.numel() * p.element_size() for p in params))
         replicating = ("torch", "dp_algo", "fastdp")  # their graph is consumed after each call
 
         def first(r: dict, m: str) -> None:
@@ -238,16 +198,9 @@ def replicate_gpu_tasks(s: Settings, multi: bool) -> list[Task]:
                 consume_graph(out)
 
         recs = {m: guarded({**base, "mode": m}, lambda r, m=m: first(r, m)) for m in impls}
-        time_into(
-            s,
-            {
-                m: (fn, consume_graph) if m in replicating else fn
-                for m, fn in impls.items()
-                if recs[m]["status"] == "ok"
-            },
-            recs,
-            _sync(devices),
-        )
+        ok = [m for m in impls if recs[m]["status"] == "ok"]
+        timed = {m: (impls[m], consume_graph) if m in replicating else impls[m] for m in ok}
+        time_into(s, timed, recs, timing.cuda_sync(base["devices"]))
         model.zero_grad(set_to_none=True)
         return list(recs.values())
 
@@ -261,7 +214,7 @@ class _MoveThen(nn.Module):
         super().__init__()
         self.module, self.device = module, device
 
-    def forward(self, *args):  # noqa: ANN002, ANN201
+    def forward(self, *args):
         return self.module(*wl.map_tensors(args, lambda t: t.to(self.device, non_blocking=True)))
 
 
@@ -271,26 +224,19 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
     if s.profile == "tiny":
         combos = [("mlp10", "cuda"), ("mlp10", "cpu-pinned")]
     else:
-        combos = [
-            (n, "cuda") for n in ("mlp1000", "resnet50", "transformer12", "lstm", "mlp10-dict16")
-        ]
+        on_device = ("mlp1000", "resnet50", "transformer12", "lstm", "mlp10-dict16")
+        combos = [(n, "cuda") for n in on_device]
         combos += [(n, w) for n in ("resnet50", "mlp10") for w in ("cpu-pageable", "cpu-pinned")]
         if multi:  # wide8 at the gpu profile: 134M parameters, the refresh/reduce-bound case
             combos.append(("wide8", "cuda"))
     sets = device_sets(multi, s.replicas)
     if s.profile == "gpu":  # step rows: every one of at least 10 repeats, whatever they take
         s = dataclasses.replace(s, repeats=max(s.repeats, 10), max_total_s=None)
-    cache: dict[tuple, tuple] = {}
 
+    @last_only
     def model_and_args(w: wl.Workload, where: str) -> tuple:
-        if (w.name, where) not in cache:
-            cache.clear()  # one model alive at a time
-            args = wl.make_inputs(w, dev(0) if where == "cuda" else "cpu")
-            cache[(w.name, where)] = (
-                wl.build(w, dev(0)),
-                wl.map_tensors(args, _pin) if where == "cpu-pinned" else args,
-            )
-        return cache[(w.name, where)]
+        args = wl.make_inputs(w, dev(0) if where == "cuda" else "cpu")
+        return wl.build(w, dev(0)), wl.map_tensors(args, _pin) if where == "cpu-pinned" else args
 
     def run(w: wl.Workload, where: str, devices: list[int]) -> list[dict]:
         model, args = model_and_args(w, where)
@@ -301,13 +247,10 @@ def step_tasks(s: Settings, multi: bool) -> list[Task]:
             model=model,
             args=args,
             devices=ids(devices),
-            n=len(devices),
-            ref_device=dev(0),
-            input_kind=w.input_kind if where == "cuda" else f"{w.input_kind}:{where}",
+            input=w.input_kind if where == "cuda" else f"{w.input_kind}:{where}",
             mode_list=("bare", "floor") + modes.WRAPPERS,
             bare_model=None if where == "cuda" else _MoveThen(model, dev(0)),
-            sync=_sync(devices),
-            extra={"distinct_gpus": len(set(devices))},
+            distinct_gpus=len(set(devices)),
         )
 
     return [

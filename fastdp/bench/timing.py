@@ -1,10 +1,5 @@
-"""Timing and call counting: warm-up, calibrated repeats, min / median / max, Python 'call' events.
-
-Every figure is a wall-clock time from ``time.perf_counter``. On CUDA the devices in use are
-synchronised before a repeat starts and before it is read, so a repeat contains the GPU work it
-launched. A repeat runs the step ``inner`` times (calibrated so that one repeat lasts at least
-``min_repeat_s``) and reports the time per step.
-"""
+"""Timing (warm-up, calibrated repeats, min / median / max) and Python call counting; how both
+measure is in bench/README.md, *Measurement*."""
 
 from __future__ import annotations
 
@@ -34,15 +29,8 @@ class Stats:
     @classmethod
     def of(cls, ms: list[float], *, repeats: int, inner: int, warmup: int) -> Stats:
         """The statistics of ``ms``, one time per repeat in milliseconds."""
-        return cls(
-            min_ms=min(ms),
-            median_ms=statistics.median(ms),
-            max_ms=max(ms),
-            mean_ms=statistics.fmean(ms),
-            repeats=repeats,
-            inner=inner,
-            warmup=warmup,
-        )
+        mid, mean = statistics.median(ms), statistics.fmean(ms)
+        return cls(min(ms), mid, max(ms), mean, repeats, inner, warmup)
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -64,7 +52,7 @@ def cuda_sync(devices: Sequence[torch.device | int | str]) -> Callable[[], None]
 Timed = Callable[[], object] | tuple[Callable[[], object], Callable[[object], None]]
 
 
-def _once(fn: Callable[[], object], after: Callable[[object], None] | None, sync) -> float:  # noqa: ANN001
+def _once(fn: Callable[[], object], after: Callable[[object], None] | None, sync) -> float:
     """One synchronised call of ``fn`` (seconds); ``after(result)`` runs outside the timing."""
     sync()
     t0 = time.perf_counter()
@@ -98,14 +86,9 @@ def measure_many(
 ) -> dict[str, Stats]:
     """Times each of ``fns`` after ``warmup`` calls: ``repeats`` repeats of ``inner`` calls each
     (``inner`` calibrated so that a repeat lasts ``min_repeat_s``), interleaved: repeat k of every
-    function runs before repeat k + 1 of any, so drift of the machine (clock, other load) hits
-    them all alike and the ratios between them are fair; round k starts at function k (mod their
-    number), so none always runs right after the same other one (threads that slept, caches
-    another one filled). ``max_total_s`` caps the time of all repeats (at least 3 are kept).
-
-    A value ``(fn, after)`` times ``fn`` alone, one call per repeat, and then calls
-    ``after(fn's result)`` outside the timed region (e.g. a backward that the measured call's
-    steady state depends on).
+    function before repeat k + 1 of any, round k starting at function k, so that load changes hit
+    them alike. ``max_total_s`` caps the time of all repeats (at least 3 are kept). A value
+    ``(fn, after)`` times one call of ``fn`` per repeat, then calls ``after(fn's result)`` untimed.
     """
     sync = sync or (lambda: None)
     pairs = {k: (f if isinstance(f, tuple) else (f, None)) for k, f in fns.items()}
@@ -136,39 +119,24 @@ def measure_many(
 
 
 class CallCounter:
-    """Counts Python ``'call'`` events (function calls and generator resumptions) in every thread.
+    """Counts Python ``'call'`` events in every thread (bench/README.md, *Python calls per step*).
 
-    The profile hook is installed with ``sys.setprofile`` and ``threading.setprofile`` when the
-    counter is entered, so threads started afterwards (e.g. persistent replica workers created on
-    the first step) carry it too; ``threading.setprofile_all_threads`` (Python >= 3.12) also
-    reaches threads that already exist. Counting is off except inside ``counted()``, so warm-up
-    steps inside the ``with`` block are not counted. On exit the hook uninstalls itself in each
-    thread at that thread's next Python event. C functions (``'c_call'``) are not counted. Calls
-    made on threads that Python does not start (e.g. the CUDA autograd engine's device threads)
-    are invisible to the hook.
-
-    ``model_codes``: code objects of the model's ``forward`` methods. A call made while a frame
-    running one of them is live in the same thread (the forward itself included) is counted as the
-    model's (``model_count``), whatever object it runs on: the original module or a replica.
-    ``top`` lists only the calls outside the model.
+    The hook is installed on entry, so threads started inside the ``with`` block carry it; it
+    counts only inside ``counted()`` and uninstalls itself in each thread after exit. A call made
+    while one of ``model_codes`` (the model's ``forward`` code objects) runs in the same thread is
+    the model's. ``areas`` maps a name to a path prefix: outside calls whose code file starts with
+    it are also counted under that name; the prefix under ``"_exclude"`` is left out.
     """
 
     def __init__(self, areas: dict[str, str] | None = None, model_codes: set | None = None) -> None:
-        """``areas`` maps a name to a path prefix: calls whose code file starts with it are also
-        counted under that name (``area_counts``); the prefix under ``"_exclude"`` is left out."""
-        self.count = 0
-        self.model_count = 0
         self.areas = {k: v for k, v in (areas or {}).items() if k != "_exclude"}
         self._exclude = (areas or {}).get("_exclude")
         self._model_codes = frozenset(model_codes or ())
-        self.in_area = dict.fromkeys(self.areas, 0)
-        self.by_code: dict = {}
-        self._on = False
-        self._installed = False
+        self._on = self._installed = False  # the counts themselves start in counted()
         self._lock = threading.Lock()
         self._tls = threading.local()
 
-    def _hook(self, frame, event, arg):  # noqa: ANN001 (the profiler's signature)
+    def _hook(self, frame, event, arg):
         if not self._installed:
             sys.setprofile(None)
             return
@@ -218,7 +186,7 @@ class CallCounter:
         ``model`` (inside the model's forward), ``outside`` (the rest)."""
         self.count = self.model_count = 0
         self.in_area = dict.fromkeys(self.areas, 0)
-        self.by_code = {}
+        self.by_code: dict = {}
         self._steps = steps
         self._on = True
         try:
@@ -235,25 +203,19 @@ class CallCounter:
     def top(self, n: int = 12) -> list[list]:
         """The ``n`` most called functions outside the model during the last ``counted``, per
         step, as ``[path/to/file.py:line function, calls]`` (last three path components)."""
+
+        def where(c) -> str:
+            return f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}"
+
         entries = sorted(self.by_code.items(), key=lambda kv: -kv[1])[:n]
-        return [
-            [
-                f"{'/'.join(c.co_filename.split('/')[-3:])}:{c.co_firstlineno} {c.co_name}",
-                k / self._steps,
-            ]
-            for c, k in entries
-        ]
+        return [[where(c), k / self._steps] for c, k in entries]
 
     def area_counts(self) -> dict[str, float]:
         """Calls per step outside the model in each area during the last ``counted``."""
         return {k: v / self._steps for k, v in self.in_area.items()}
 
 
-def forward_codes(module) -> set:  # noqa: ANN001
+def forward_codes(module) -> set:
     """The code objects of the ``forward`` methods of ``module`` and all its submodules."""
-    codes = set()
-    for m in module.modules():
-        f = getattr(type(m).forward, "__code__", None)
-        if f is not None:
-            codes.add(f)
-    return codes
+    found = (getattr(type(m).forward, "__code__", None) for m in module.modules())
+    return {code for code in found if code is not None}

@@ -1,10 +1,6 @@
-"""Benchmark workloads, built from ``torch.nn`` only (nothing is downloaded), and their inputs.
-
-Sizes come in four profiles: ``tiny`` (the smoke test), ``quick`` (CI, CPU), ``cpu`` (the default
-CPU run) and ``gpu``. Layer counts and block structure never change with the profile (a 1000-layer
-MLP has 1000 layers, the CNN always has ResNet-50's bottleneck blocks [3, 4, 6, 3]); widths,
-spatial sizes, sequence lengths and batch sizes do.
-"""
+"""Benchmark workloads from ``torch.nn`` only, and their inputs. The profiles ``tiny``, ``quick``,
+``cpu`` and ``gpu`` change widths, spatial sizes, sequence lengths and batch sizes, never layer
+counts or block structure."""
 
 from __future__ import annotations
 
@@ -117,46 +113,31 @@ def _dict16(width: int) -> Callable[[int, torch.device | str], tuple]:
     return lambda b, dev: ({f"x{i:02d}": torch.randn(b, width, device=dev) for i in range(16)},)
 
 
-# Per-profile sizes: batch of the MLPs, CNN (base width, image side, batch), transformer (d_model,
-# heads, feed-forward, sequence, batch), LSTM (hidden, sequence, batch).
+# Per profile: wide8 (width, batch), the MLPs' batch, CNN (base width, image side, batch),
+# transformer (d_model, heads, feed-forward, sequence, batch), LSTM (hidden, sequence, batch).
 _SIZES = {
-    "tiny": dict(wide=(64, 32), mlp_b=8, cnn=(4, 16, 4), tf=(16, 2, 32, 8, 4), lstm=(16, 8, 4)),
-    "quick": dict(
-        wide=(256, 128), mlp_b=16, cnn=(8, 16, 8), tf=(32, 4, 64, 16, 8), lstm=(32, 16, 8)
-    ),
-    "cpu": dict(
-        wide=(1024, 512), mlp_b=64, cnn=(16, 32, 8), tf=(64, 4, 256, 32, 16), lstm=(64, 32, 16)
-    ),
-    "gpu": dict(
-        wide=(4096, 4096),
-        mlp_b=1024,
-        cnn=(64, 128, 64),
-        tf=(512, 8, 2048, 128, 64),
-        lstm=(512, 128, 64),
-    ),
+    "tiny": ((64, 32), 8, (4, 16, 4), (16, 2, 32, 8, 4), (16, 8, 4)),
+    "quick": ((256, 128), 16, (8, 16, 8), (32, 4, 64, 16, 8), (32, 16, 8)),
+    "cpu": ((1024, 512), 64, (16, 32, 8), (64, 4, 256, 32, 16), (64, 32, 16)),
+    "gpu": ((4096, 4096), 1024, (64, 128, 64), (512, 8, 2048, 128, 64), (512, 128, 64)),
 }
 
 
 def catalogue(profile: str) -> dict[str, Workload]:
     """Every workload at the sizes of ``profile``, by name (bench/README.md, *Workloads*)."""
-    s = _SIZES[profile]
-    base, side, cnn_b = s["cnn"]
-    d, heads, ff, seq, tf_b = s["tf"]
-    hid, lseq, lstm_b = s["lstm"]
-    width, wide_b = s["wide"]
+    (width, wide_b), mlp_b, (base, side, cnn_b), tf, (hid, lseq, lstm_b) = _SIZES[profile]
+    d, heads, ff, seq, tf_b = tf
 
     def transformer() -> nn.Module:
         layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
         return nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
 
-    out = [
-        Workload(f"mlp{n}", lambda n=n: mlp(n), _randn(32), s["mlp_b"], n) for n in (10, 100, 1000)
-    ]
+    out = [Workload(f"mlp{n}", lambda n=n: mlp(n), _randn(32), mlp_b, n) for n in (10, 100, 1000)]
     out += [
         Workload("resnet50", lambda: resnet50_shaped(base), _randn(3, side, side), cnn_b, 53),
         Workload("transformer12", transformer, _randn(seq, d), tf_b, 12),
         Workload("lstm", lambda: LSTMNet(32, hid), _randn(lseq, 32), lstm_b, 2),
-        Workload("mlp10-dict16", DictMLP, _dict16(32), s["mlp_b"], 26, "dict16"),
+        Workload("mlp10-dict16", DictMLP, _dict16(32), mlp_b, 26, "dict16"),
         Workload("wide8", lambda: mlp(8, width), _randn(width), wide_b, 8),
     ]
     return {w.name: w for w in out}
@@ -169,17 +150,13 @@ def build(w: Workload, device: torch.device | str, seed: int = 0) -> nn.Module:
 
 
 def make_inputs(w: Workload, device: torch.device | str, batch: int | None = None) -> tuple:
-    """Deterministic inputs (seed 1, the caller's random state kept)."""
-    g = torch.random.get_rng_state()
-    torch.manual_seed(1)
-    try:
-        args = w.inputs(batch or w.batch, device)
-    finally:
-        torch.random.set_rng_state(g)
-    return args
+    """Deterministic inputs (seed 1, the caller's CPU random state kept)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return w.inputs(batch or w.batch, device)
 
 
-def map_tensors(obj, fn):  # noqa: ANN001, ANN201 (any nesting of tuple/list/dict)
+def map_tensors(obj, fn):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple):
@@ -191,7 +168,7 @@ def map_tensors(obj, fn):  # noqa: ANN001, ANN201 (any nesting of tuple/list/dic
     return obj
 
 
-def tensors_of(obj) -> list[torch.Tensor]:  # noqa: ANN001
+def tensors_of(obj) -> list[torch.Tensor]:
     """The tensors of a nested output, in a deterministic order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -202,6 +179,6 @@ def tensors_of(obj) -> list[torch.Tensor]:  # noqa: ANN001
     return []
 
 
-def loss_of(out) -> torch.Tensor:  # noqa: ANN001
+def loss_of(out) -> torch.Tensor:
     """Mean of squares over every output tensor: gradients reach every parameter."""
     return sum(t.float().square().mean() for t in tensors_of(out))
