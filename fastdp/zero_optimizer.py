@@ -17,149 +17,18 @@ Under ``torchrun`` (``WORLD_SIZE > 1``) the constructor returns torch's own
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from fastdp._buckets import cpu_distinct, nbytes
-from fastdp._devices import as_devices
 from fastdp._workers import WorkerPool
-from fastdp.data_parallel import live_wrappers
+from fastdp._zero_shards import Shard, ShardedState, bind, check_arguments, devices_for
 from fastdp.distributed import _world_size
 
 __all__ = ["ZeroRedundancyOptimizer"]
-
-# Optimizers whose step reads every parameter at once: sharding them would change their result.
-_WHOLE_MODEL = (torch.optim.LBFGS,)
-
-
-class _Shard:
-    """One owner: its device, its optimizer, and the (original, master) pairs of the parameters
-    it steps on a copy of its own."""
-
-    def __init__(self, index: int, device: torch.device, copies: bool) -> None:
-        self.index = index
-        self.device = device
-        self.copies = copies  # steps master copies, not the originals
-        self.optimizer: Optimizer | None = None
-        self.masters: dict[int, torch.Tensor] = {}  # id(original) -> master copy
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, master)
-        self.load = 0  # bytes of the trainable parameters owned
-
-    def key(self, p: torch.Tensor) -> torch.Tensor:
-        """The tensor this owner's optimizer holds for original ``p``."""
-        return self.masters.get(id(p), p)
-
-    def adopt(self, p: torch.Tensor) -> torch.Tensor:
-        if not self.copies:
-            return p
-        with torch.no_grad():
-            master = p.detach().to(self.device, copy=True)
-        master.requires_grad_(p.requires_grad)
-        self.masters[id(p)] = master
-        self.pairs.append((p, master))
-        return master
-
-    def step(self, stream: Any) -> BaseException | None:
-        """Copy gradients in, step, copy updated values back; an exception is returned, not raised
-        (the caller raises the first one, in owner order)."""
-        try:
-            ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
-            with ctx:
-                self._copy_in()
-                self.optimizer.step()
-                self._copy_out()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            return e
-        return None
-
-    def _copy_in(self) -> None:
-        """Masters take the originals' values every step: nothing tracks a write through
-        ``.data`` (the originals are what the unsharded optimizer would read)."""
-        with torch.no_grad():
-            for p, m in self.pairs:
-                _check_same_shape(p, m)
-                m.copy_(p)
-                m.grad = None if p.grad is None else p.grad.to(self.device, copy=True)
-
-    def _copy_out(self) -> None:
-        with torch.no_grad():
-            for p, m in self.pairs:
-                if m.grad is not None:
-                    p.copy_(m)
-                    m.grad = None
-
-    def state_bytes(self) -> int:
-        if self.optimizer is None:
-            return 0
-        return sum(
-            nbytes(v)
-            for st in self.optimizer.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor)
-        )
-
-
-def _check_same_shape(p: torch.Tensor, m: torch.Tensor) -> None:
-    if p.shape != m.shape or p.dtype != m.dtype:
-        raise RuntimeError(
-            f"fastdp.ZeroRedundancyOptimizer: a parameter changed from {tuple(m.shape)} "
-            f"{m.dtype} to {tuple(p.shape)} {p.dtype} after the optimizer was built; build the "
-            "optimizer again after changing the model's parameters"
-        )
-
-
-class _ShardedState(MutableMapping):
-    """``optimizer.state``: original parameter -> its state, read from and written to its owner's
-    optimizer (a parameter of no owner reads as an empty dict, as ``defaultdict(dict)`` does)."""
-
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self._zero = weakref.ref(zero)
-        self._other: dict[int, tuple[torch.Tensor, dict]] = {}
-
-    def _find(self, p: Any) -> tuple[_Shard, torch.Tensor] | None:
-        zero = self._zero()
-        shard = None if zero is None else zero._shard_of(p)
-        return None if shard is None else (shard, shard.key(p))
-
-    def __getitem__(self, p: Any) -> dict:
-        found = self._find(p)
-        if found is None:
-            return self._other.setdefault(id(p), (p, {}))[1]
-        shard, key = found
-        return shard.optimizer.state[key]
-
-    def __contains__(self, p: Any) -> bool:
-        found = self._find(p)
-        if found is None:
-            return id(p) in self._other
-        return found[1] in found[0].optimizer.state
-
-    def __setitem__(self, p: Any, value: dict) -> None:
-        found = self._find(p)
-        if found is None:
-            self._other[id(p)] = (p, value)
-        else:
-            found[0].optimizer.state[found[1]] = value
-
-    def __delitem__(self, p: Any) -> None:
-        found = self._find(p)
-        if found is None:
-            del self._other[id(p)]
-        else:
-            del found[0].optimizer.state[found[1]]
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        zero = self._zero()
-        if zero is not None:
-            yield from (p for p in zero._params() if p in self)
-        yield from (p for p, _ in self._other.values())
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -207,27 +76,27 @@ class ZeroRedundancyOptimizer(Optimizer):
         launch: str | None = None,
         **defaults: Any,
     ) -> None:
-        _check_arguments(optimizer_class, process_group, overlap_with_ddp, launch)
+        check_arguments(optimizer_class, process_group, overlap_with_ddp, launch)
         self._ready = False  # add_param_group only records groups until the shards exist
         self._optimizer_class = optimizer_class
         self._launch = launch
         self.parameters_as_bucket_view = parameters_as_bucket_view
         super().__init__(params, defaults)
         params_ = list(self._params())
-        self._wrapper, devs = _devices_for(params_, devices)
+        self._wrapper, devs = devices_for(params_, devices)
         distinct = cpu_distinct()
         self._shards = [
-            _Shard(i, d, d != params_[0].device or (distinct and i > 0 and d.type == "cpu"))
+            Shard(i, d, d != params_[0].device or (distinct and i > 0 and d.type == "cpu"))
             for i, d in enumerate(devs)
         ]
-        self._owner: dict[int, _Shard] = {}
+        self._owner: dict[int, Shard] = {}
         self._assign(params_)
         for shard in self._shards:
             groups = [self._local_group(g, shard) for g in self.param_groups]
             shard.optimizer = optimizer_class(groups, **defaults)
         self.defaults = dict(self._shards[0].optimizer.defaults)
         self._pull_group_settings()
-        self.state = _ShardedState(self)  # type: ignore[assignment]
+        self.state = ShardedState(self._shard_of, self._params)  # type: ignore[assignment]
         self._pool = WorkerPool()
         weakref.finalize(self, self._pool.shutdown)
         self._ready = True
@@ -238,7 +107,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         for g in self.param_groups:
             yield from g["params"]
 
-    def _shard_of(self, p: Any) -> _Shard | None:
+    def _shard_of(self, p: Any) -> Shard | None:
         return self._owner.get(id(p)) if isinstance(p, torch.Tensor) else None
 
     def _assign(self, params: Sequence[torch.Tensor]) -> None:
@@ -267,7 +136,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             elif p.requires_grad and self._owner[id(p)].copies:
                 self._owner[id(p)].adopt(p)
 
-    def _local_group(self, group: dict[str, Any], shard: _Shard) -> dict[str, Any]:
+    def _local_group(self, group: dict[str, Any], shard: Shard) -> dict[str, Any]:
         local = {k: v for k, v in group.items() if k != "params"}
         local["params"] = [shard.key(p) for p in group["params"] if self._owner[id(p)] is shard]
         return local
@@ -301,7 +170,7 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # ----- the step
 
-    def _workers(self) -> list[list[_Shard]]:
+    def _workers(self) -> list[list[Shard]]:
         """The owners with parameters, grouped by what steps them together: one group per device
         (owners sharing a device step in turn: concurrency there only contends for it), one per
         owner under ``launch="threads"``, one group of all under ``"inline"`` or when the
@@ -315,7 +184,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             return [[s] for s in busy]
         if mode == "inline":
             return [busy]
-        per_device: dict[torch.device, list[_Shard]] = {}
+        per_device: dict[torch.device, list[Shard]] = {}
         for s in busy:
             per_device.setdefault(s.device, []).append(s)
         return list(per_device.values())
@@ -338,7 +207,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             for g in self._workers()
         ]
         if len(groups) > 1:
-            errors = [e for es in self._pool.run([_bind(g) for g in groups]) for e in es]
+            errors = [e for es in self._pool.run([bind(g) for g in groups]) for e in es]
         else:
             errors = [s.step(st) for g in groups for s, st in g]
         for e in errors:
@@ -429,79 +298,3 @@ class ZeroRedundancyOptimizer(Optimizer):
             f"ZeroRedundancyOptimizer({self._optimizer_class.__name__}, "
             f"{len(self._shards)} owners)\n    {inner}"
         )
-
-
-def _bind(group: list[tuple[_Shard, Any]]) -> Callable[[], list[BaseException | None]]:
-    return lambda: [shard.step(stream) for shard, stream in group]
-
-
-def _check_arguments(
-    optimizer_class: Any, process_group: Any, overlap_with_ddp: bool, launch: str | None
-) -> None:
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-        raise TypeError(
-            "fastdp.ZeroRedundancyOptimizer: optimizer_class must be a torch.optim.Optimizer "
-            f"subclass, got {optimizer_class!r}"
-        )
-    if issubclass(optimizer_class, _WHOLE_MODEL):
-        raise ValueError(
-            f"fastdp.ZeroRedundancyOptimizer: {optimizer_class.__name__} reads every parameter "
-            "in one step (its line search and history span the whole model), so its state "
-            f"cannot be split by parameter; use {optimizer_class.__name__} itself"
-        )
-    if process_group is not None:
-        raise ValueError(
-            "fastdp.ZeroRedundancyOptimizer: one process has no process group; leave "
-            "process_group=None (under torchrun the same call returns torch's optimizer)"
-        )
-    if overlap_with_ddp:
-        raise ValueError(
-            "fastdp.ZeroRedundancyOptimizer: overlap_with_ddp needs DDP's communication hook; "
-            "in one process leave it False"
-        )
-    if launch not in (None, "threads", "inline"):
-        raise ValueError(
-            f"fastdp.ZeroRedundancyOptimizer: launch must be 'threads', 'inline' or None, "
-            f"got {launch!r}"
-        )
-
-
-def _devices_for(
-    params: Sequence[torch.Tensor], devices: Sequence[Any] | None
-) -> tuple[Any, list[torch.device]]:
-    """(a weak reference to the wrapper holding ``params`` or None, the owners' devices)."""
-    if not params:
-        raise ValueError("fastdp.ZeroRedundancyOptimizer: got an empty parameter list")
-    homes = {p.device for p in params}
-    if len(homes) > 1:
-        raise ValueError(
-            "fastdp.ZeroRedundancyOptimizer: the parameters are on several devices "
-            f"({sorted(map(str, homes))}); a FastDataParallel's module lives on device_ids[0]"
-        )
-    ids = {id(p) for p in params}
-    holders = [w for w in live_wrappers() if ids <= {id(q) for q in w.module.parameters()}]
-    wrapper = weakref.ref(holders[0]) if len(holders) == 1 else None
-    if devices is not None:
-        devs = as_devices(list(devices))
-    elif not holders:
-        raise ValueError(
-            "fastdp.ZeroRedundancyOptimizer: these parameters belong to no FastDataParallel. "
-            "Wrap the model first (model = fastdp.FastDataParallel(net, device_ids=...)) and "
-            "pass model.parameters(), or name the owners' devices with devices=[...]"
-        )
-    elif len(holders) > 1:
-        raise ValueError(
-            "fastdp.ZeroRedundancyOptimizer: these parameters belong to several "
-            "FastDataParallel wrappers; name the owners' devices with devices=[...]"
-        )
-    else:
-        w = holders[0]
-        devs = as_devices(w.device_ids) if w.device_ids else [next(iter(homes))]
-    if not devs:
-        raise ValueError("fastdp.ZeroRedundancyOptimizer: devices is empty")
-    if devs[0] != next(iter(homes)):
-        raise ValueError(
-            f"fastdp.ZeroRedundancyOptimizer: the parameters are on {next(iter(homes))} but the "
-            f"first device is {devs[0]}; the first owner shares the originals' device"
-        )
-    return wrapper, devs
