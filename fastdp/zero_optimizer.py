@@ -116,8 +116,17 @@ class ZeroRedundancyOptimizer(Optimizer):
         run is within one tensor of total/n); the largest run to the least loaded owner, ties to
         the highest index (index 0 also holds the originals and their gradients). Runs keep each
         owner's tensors in the order they were allocated in (a strided pick is measurably slower
-        for thousands of small tensors). Frozen parameters (no state) go to owner 0, uncopied."""
-        trainable = [p for p in params if p.requires_grad]
+        for thousands of small tensors). Frozen parameters (no state) go to owner 0, uncopied,
+        and so do parameters sharing memory with another (tied weights loaded with
+        ``assign=True``): their in-place updates must land one after the other on the same
+        bytes, in parameter order, as in the unsharded optimizer."""
+        storages: dict[int, int] = {}
+        for p in self._params():
+            key = p.untyped_storage().data_ptr()
+            storages[key] = storages.get(key, 0) + 1
+        trainable = [
+            p for p in params if p.requires_grad and storages[p.untyped_storage().data_ptr()] == 1
+        ]
         n, total = len(self._shards), sum(nbytes(p) for p in trainable)
         runs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         done = 0

@@ -169,3 +169,38 @@ def test_writes_to_the_model_between_steps_reach_the_owners(storage, launch):
 
     twin.train(2, between=clamp)
     twin.assert_same()
+
+
+def test_parameters_sharing_memory_step_in_order_on_one_owner(storage, launch):
+    """Tied weights loaded with ``assign=True`` become two parameters on one storage: both updates
+    must land on the same bytes in parameter order, as with the unsharded optimizer."""
+    import copy
+
+    import fastdp
+
+    def tied():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 6))
+        net[3].weight = net[0].weight
+        net.load_state_dict(copy.deepcopy(net.state_dict()), assign=True)
+        assert net[3].weight is not net[0].weight
+        assert net[3].weight.data_ptr() == net[0].weight.data_ptr()
+        return net
+
+    nets = [tied(), tied()]  # deepcopy would give each parameter storage of its own
+    net = nets[0]
+    models = [fastdp.FastDataParallel(m, ["cpu"] * 4, launch=launch) for m in nets]
+    kw = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}
+    opts = [
+        fastdp.ZeroRedundancyOptimizer(models[0].parameters(), torch.optim.SGD, **kw),
+        torch.optim.SGD(models[1].parameters(), **kw),
+    ]
+    for _ in range(4):
+        x = torch.randn(8, 6)
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(p, q)
+    assert opts[0].owner_of(net[0].weight) == opts[0].owner_of(net[3].weight) == 0
