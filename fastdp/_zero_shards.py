@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -48,12 +48,15 @@ class Shard:
         self.pairs.append((p, master))
         return master
 
-    def step(self, stream: Any) -> BaseException | None:
-        """Copy gradients in, step, copy updated values back; an exception is returned, not raised
-        (the caller raises the first one, in owner order)."""
+    def step(self, streams: Sequence[Any]) -> BaseException | None:
+        """Copy gradients in, step, copy updated values back, on ``streams``: the caller's current
+        streams of the originals' device and of this owner's (a worker thread's own are the
+        default streams, unordered with the caller's); an exception is returned, not raised (the
+        caller raises the first one, in owner order)."""
         try:
-            ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
-            with ctx:
+            with ExitStack() as stack:
+                for stream in streams:
+                    stack.enter_context(torch.cuda.stream(stream))
                 self._copy_in()
                 self.optimizer.step()
                 self._copy_out()
@@ -153,8 +156,8 @@ class ShardedState(MutableMapping):
         return sum(1 for _ in self)
 
 
-def bind(group: list[tuple[Shard, Any]]) -> Callable[[], list[BaseException | None]]:
-    return lambda: [shard.step(stream) for shard, stream in group]
+def bind(group: list[tuple[Shard, list[Any]]]) -> Callable[[], list[BaseException | None]]:
+    return lambda: [shard.step(streams) for shard, streams in group]
 
 
 def check_arguments(

@@ -208,13 +208,8 @@ class ZeroRedundancyOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._push_group_settings()
-        groups = [
-            [
-                (s, torch.cuda.current_stream(s.device) if s.device.type == "cuda" else None)
-                for s in g
-            ]
-            for g in self._workers()
-        ]
+        home = self._shards[0].device
+        groups = [[(s, _caller_streams(home, s.device)) for s in g] for g in self._workers()]
         if len(groups) > 1:
             errors = [e for es in self._pool.run([bind(g) for g in groups]) for e in es]
         else:
@@ -307,3 +302,10 @@ class ZeroRedundancyOptimizer(Optimizer):
             f"ZeroRedundancyOptimizer({self._optimizer_class.__name__}, "
             f"{len(self._shards)} owners)\n    {inner}"
         )
+
+
+def _caller_streams(home: torch.device, device: torch.device) -> list[Any]:
+    """The caller's current CUDA streams of the originals' device and of an owner's (none on
+    the CPU): the owner's copies and step run on them, ordered with the caller's work."""
+    devices = [home] if home == device else [home, device]
+    return [torch.cuda.current_stream(d) for d in devices if d.type == "cuda"]

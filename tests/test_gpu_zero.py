@@ -15,14 +15,14 @@ from fastdp.testing import onlyCUDA, onlyMultiGPU
 pytestmark = onlyCUDA
 
 
-def _train(ids, arch, opt_cls, kw, steps=5):
+def _train(ids, arch, opt_cls, kw, steps=5, launch=None):
     factory, make_input, _ = ARCHS[arch]
     torch.manual_seed(0)
     nets = [factory().cuda()]
     nets.append(copy.deepcopy(nets[0]))
     models = [fastdp.FastDataParallel(n, device_ids=ids) for n in nets]
     opts = [
-        fastdp.ZeroRedundancyOptimizer(models[0].parameters(), opt_cls, **kw),
+        fastdp.ZeroRedundancyOptimizer(models[0].parameters(), opt_cls, launch=launch, **kw),
         opt_cls(models[1].parameters(), **kw),
     ]
     for _ in range(steps):
@@ -57,3 +57,13 @@ def test_owners_on_distinct_gpus(arch):
     for p in zero.param_groups[0]["params"]:
         devices = {v.device for v in zero.state[p].values() if v.dim() > 0}
         assert devices == {torch.device("cuda", ids[zero.owner_of(p)])}
+
+
+@pytest.mark.parametrize("launch", ["threads", "inline"])
+def test_caller_on_a_side_stream(launch):
+    """The owners copy and step on the caller's current streams, also from worker threads."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        opts = _train([0, 0], "mlp", torch.optim.AdamW, {"lr": 1e-2}, launch=launch)
+    stats = opts[0].memory_stats()  # _train compared the parameters with the unsharded run's
+    assert stats["cuda:0#0"]["optimizer_state"] > 0 and stats["cuda:0#1"]["optimizer_state"] > 0
