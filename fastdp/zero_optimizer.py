@@ -146,24 +146,21 @@ class ZeroRedundancyOptimizer(Optimizer):
                 self._owner[id(p)].adopt(p)
 
     def _local_group(self, group: dict[str, Any], shard: Shard) -> dict[str, Any]:
-        local = {k: v for k, v in group.items() if k != "params"}
+        local = _settings(group)
         local["params"] = [shard.key(p) for p in group["params"] if self._owner[id(p)] is shard]
         return local
 
     def _pull_group_settings(self) -> None:
         """Give the global groups the settings the optimizer class filled in (its defaults)."""
         for g, local in zip(self.param_groups, self._shards[0].optimizer.param_groups):
-            for k, v in local.items():
-                if k != "params":
-                    g.setdefault(k, v)
+            for k, v in _settings(local).items():
+                g.setdefault(k, v)
 
     def _push_group_settings(self) -> None:
         """The global groups' settings (an LR scheduler writes ``lr`` there) to every owner."""
         for shard in self._shards:
             for g, local in zip(self.param_groups, shard.optimizer.param_groups):
-                for k, v in g.items():
-                    if k != "params":
-                        local[k] = v
+                local.update(_settings(g))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``Optimizer.add_param_group``: the new parameters get owners (by bytes, after those
@@ -224,20 +221,17 @@ class ZeroRedundancyOptimizer(Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """torch's consolidation: a no-op here, every shard is in this process already."""
 
-    def _indexed(self) -> Iterator[tuple[int, torch.Tensor]]:
-        return enumerate(self._params())
-
     def state_dict(self) -> dict[str, Any]:
         """torch's layout for ``optimizer_class`` over all parameters (each state tensor stays on
         its owner's device; ``load_state_dict`` of any optimizer moves it to its parameter)."""
         groups, start = [], 0
         for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
+            packed = _settings(g)
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
         state = {}
-        for i, p in self._indexed():
+        for i, p in enumerate(self._params()):
             shard = self._owner[id(p)]
             st = shard.optimizer.state.get(shard.key(p))
             if st:
@@ -259,12 +253,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         for s, g in zip(saved, self.param_groups):
             for i, p in zip(s["params"], g["params"]):
                 saved_id[id(p)] = i
-            g.update({k: v for k, v in s.items() if k != "params"})
+            g.update(_settings(s))
         for shard in self._shards:
             local_groups, local_state, n = [], {}, 0
             for s, g in zip(saved, self.param_groups):
                 owned = [p for p in g["params"] if self._owner[id(p)] is shard]
-                packed = {k: v for k, v in s.items() if k != "params"}
+                packed = _settings(s)
                 packed["params"] = list(range(n, n + len(owned)))
                 for j, p in enumerate(owned, start=n):
                     if saved_id[id(p)] in state_dict["state"]:
@@ -309,3 +303,8 @@ def _caller_streams(home: torch.device, device: torch.device) -> list[Any]:
     the CPU): the owner's copies and step run on them, ordered with the caller's work."""
     devices = [home] if home == device else [home, device]
     return [torch.cuda.current_stream(d) for d in devices if d.type == "cuda"]
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings: everything but its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
