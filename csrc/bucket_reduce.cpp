@@ -153,6 +153,12 @@ variable_list sum_replicas(std::vector<variable_list>& per_replica,
       if (first[i] == 2) sums[i] = std::move(fresh[k++]);
     }
   }
+  if (at::GradMode::is_enabled()) {
+    // create_graph: every later replica by an out-of-place add autograd records (the plain
+    // loop and in-place adds would leave replicas 2.. out of the second-order graph).
+    for (size_t j = 2; j < per_replica.size(); ++j) sums = at::_foreach_add(sums, per_replica[j]);
+    return sums;
+  }
   add_replicas_into(sums, per_replica, first);
   return sums;
 }
