@@ -32,6 +32,7 @@ OPERATIONS = (
     "two_forwards",
     "data_edit",
     "post_hook",
+    "second_order",
 )
 LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
 _unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)

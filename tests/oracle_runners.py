@@ -109,8 +109,12 @@ class Wrapped(Runner):
         inputs = None if names is None else [self.param(n) for n in names]
         loss.backward(inputs=inputs, **kw)
 
-    def grad(self, loss: torch.Tensor, names: list[str]) -> tuple:
-        return torch.autograd.grad(loss, [self.param(n) for n in names], allow_unused=True)
+    def grad(self, loss: torch.Tensor, names: list[str], **kw: Any) -> tuple:
+        return torch.autograd.grad(loss, [self.param(n) for n in names], allow_unused=True, **kw)
+
+    def hvp(self, gs: tuple, names: list[str], v: list[torch.Tensor]) -> tuple:
+        """The gradient of ``sum(g * v)`` over ``gs`` (``grad(..., create_graph=True)``'s)."""
+        return self.grad(_dot(gs, v), names)
 
     def no_sync(self) -> Any:
         return self.fdp.no_sync()
@@ -220,13 +224,16 @@ class Chunked(Runner):
                         if owner is p:
                             fn(p)
 
-    def grad(self, loss: torch.Tensor, names: list[str]) -> tuple:
+    def grad(self, loss: torch.Tensor, names: list[str], **kw: Any) -> tuple:
         rows = self._copies_of(names)
-        flat = torch.autograd.grad(loss, [t for row in rows for t in row], allow_unused=True)
+        flat = torch.autograd.grad(loss, [t for row in rows for t in row], allow_unused=True, **kw)
         k = len(names)
         return tuple(
             self._total(n, [flat[r * k + j] for r in range(len(rows))]) for j, n in enumerate(names)
         )
+
+    def hvp(self, gs: tuple, names: list[str], v: list[torch.Tensor]) -> tuple:
+        return self.grad(_dot(gs, v), names)
 
     def no_sync(self) -> Any:
         return nullcontext()  # plain accumulation
@@ -241,6 +248,11 @@ class Chunked(Runner):
     def add_post_hook(self, name: str, fn: Any) -> None:
         self.param(name).register_post_accumulate_grad_hook(fn).remove()
         self.post_hooks.setdefault(name, []).append((self.param(name), fn))
+
+
+def _dot(gs: tuple, v: list[torch.Tensor]) -> torch.Tensor:
+    """``sum(g * v)`` over the gradients that exist: a Hessian-vector product's output."""
+    return sum((g * w).sum() for g, w in zip(gs, v) if g is not None)
 
 
 def _tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -2,21 +2,22 @@
 
 A hypothesis state machine draws a model from a grammar of what real models do
 (tests/oracle_models.py: views, expands and transposes of parameters, tied, frozen, unused and
-partly used parameters, BatchNorm, GRU/LSTM, a sparse embedding, weight_norm, a channels_last
-conv, a reentrant checkpoint; forwards that write attributes, buffers, parameters, ``.data``,
-hooks and submodules), 2 to 4 CPU replicas, one bucket or many, a launch strategy and an
-optimizer; then a training loop's operations: steps with ``backward``, ``retain_graph=True`` and
-two backwards, ``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without
-``zero_grad``, ``no_sync()`` micro-steps (one or two forwards before the backward, replicas
-skipping the sparse embedding), ``.data`` edits between them, partial batches, a replica raising,
-two threads calling one wrapper, optimizer steps (SGD, AdamW with weight decay),
-``load_state_dict``, in-place edits, ``requires_grad`` toggles, train/eval and hooks on the
-originals (tensor and post-accumulate). Three runners
-(tests/oracle_runners.py) must agree after every operation: ``FastDataParallel`` with persistent
-replicas, with ``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk``
-chunks. Compared: outputs, the type of any exception, every ``.grad`` (None or not, then values),
-``autograd.grad`` results, buffers, and the originals after optimizer steps. float64; after each
-operation the other runners take the persistent runner's values (summation order must not drift).
+partly used parameters, BatchNorm, GRU/LSTM, a sparse embedding, weight_norm, a channels_last conv,
+a reentrant checkpoint; forwards that write attributes, buffers, parameters, ``.data``, hooks and
+submodules), 2 to 4 CPU replicas, one bucket or many, a launch strategy and an optimizer; then a
+training loop's operations: steps with ``backward``, ``retain_graph=True`` and two backwards,
+``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without ``zero_grad``, second-order
+steps (a gradient penalty's backward through ``autograd.grad(create_graph=True)``, Hessian-vector
+products), ``no_sync()`` micro-steps (one or two forwards before the backward, replicas skipping
+the sparse embedding), ``.data`` edits between them, partial batches, a replica raising, two
+threads calling one wrapper, optimizer steps (SGD, AdamW with weight decay), ``load_state_dict``,
+in-place edits, ``requires_grad`` toggles, train/eval and hooks on the originals (tensor and
+post-accumulate). Three runners (tests/oracle_runners.py) must agree after every operation:
+``FastDataParallel`` with persistent replicas, with ``persistent=False``, and DataParallel's
+semantics by hand on ``torch.chunk`` chunks. Compared: outputs, the type of any exception, every
+``.grad`` (None or not, then values), ``autograd.grad`` results, buffers, and the originals after
+optimizer steps. float64; after each operation the other runners take the persistent runner's
+values (summation order must not drift).
 
 With CPU replicas sharing the originals' storage (the default), an in-place parameter write in a
 forward lands once per replica (documented); the ``inplace_param`` feature runs only under
@@ -172,6 +173,43 @@ class Oracle(RuleBasedStateMachine):
             self.each(lambda r, o: r.backward((o * w).sum()), outs)
         if then_step and "optimizer" not in LEFT_OUT:
             self.each(lambda r: r.step())
+
+    # A reentrant checkpoint refuses autograd.grad; under create_graph, DataParallel's Broadcast
+    # (persistent=False) cannot return its sparse input as an output (no view of a sparse tensor).
+    @precondition(lambda self: not {"checkpoint", "sparse_emb"} & self.feats)
+    @on("second_order")
+    @rule(b=st.integers(1, 12), kind=st.sampled_from(["penalty", "hvp"]), zero=st.booleans())
+    def second_order(self, b, kind, zero):
+        """Gradients through the parameters' gradients (``create_graph=True``): a gradient
+        penalty then its backward (SAM, R1), or a Hessian-vector product (influence functions,
+        Newton-CG)."""
+        if zero:
+            self.each(lambda r: r.zero_grad(True))
+        x, idx = self.batch(b)
+        outs = self.each(lambda r: r.forward(x, idx))
+        self.named_only = kind == "hvp"
+        if outs is None:
+            return
+        agree(outs, "output")
+        w = self.weights(outs[0])
+        names = self.trainable()
+        if not names:
+            return
+        gs = self.each(
+            lambda r, o: r.grad((o * w).sum() + o.pow(2).sum(), names, create_graph=True), outs
+        )
+        if gs is None:
+            return
+        for k, name in enumerate(names):
+            agree([g[k] for g in gs], f"create_graph grad of {name}", unreached_none=True)
+        if kind == "penalty":
+            self.each(lambda r, g: r.backward(sum(t.pow(2).sum() for t in g if t is not None)), gs)
+            return
+        v = [torch.randn(self.runners[0].param(n).shape, generator=self.gen) for n in names]
+        v = [t.double() for t in v]
+        hv = self.each(lambda r, g: r.hvp(g, names, v), gs)
+        for k, name in enumerate(names if hv else []):
+            agree([h[k] for h in hv], f"Hessian-vector product of {name}", unreached_none=True)
 
     @precondition(lambda self: "no_sync" not in LEFT_OUT and not self.hooked_checkpoint)
     @rule(b=st.integers(1, 12), skip=st.none() | st.integers(0, 3))
