@@ -225,7 +225,7 @@ def split_leaves(
     dims, sizes = [], []
     for i, t in enumerate(leaves):
         n = t.dim()
-        if n == 0 or t.layout is not _STRIDED or t.is_nested:
+        if n == 0 or t.layout is not _STRIDED or t.is_nested or t.is_meta:
             raise _unsplittable(t, _names(spec, leaves, with_kwargs)[i])
         d = dim % n if dim < 0 else dim
         if d >= n:
@@ -246,9 +246,23 @@ def split_leaves(
 
 
 def _unsplittable(t: torch.Tensor, path: str) -> Exception:
-    """The error for a leaf that cannot be chunked: not strided (TypeError), else 0-dim."""
+    """The error for a leaf no replica can take, naming it: a meta tensor and a 0-dim one get the
+    type and the text DataParallel's scatter raises, then fastdp's; sparse and nested tensors
+    a TypeError."""
+    if t.is_meta:
+        return NotImplementedError(
+            f"Cannot copy out of meta tensor; no data! fastdp: input {path} is on the meta "
+            "device (a shape without data), which cannot be copied to the replicas. Pass it "
+            "with data on the module's device; to trace shapes on the meta device, call the "
+            "plain module (model.module)."
+        )
     if t.layout is _STRIDED and not t.is_nested:
-        return RuntimeError("chunk expects at least a 1-dimensional tensor")
+        return RuntimeError(
+            f"chunk expects at least a 1-dimensional tensor. fastdp: input {path} is a 0-dim "
+            "tensor, which cannot be chunked along the batch dim for the replicas (nn."
+            "DataParallel cannot either). Pass a scalar as a Python number (t.item()), or as "
+            "one value per row (t.expand(batch_size)): each replica then gets its rows' values."
+        )
     kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
     return TypeError(
         f"fastdp: input {path} is {kind}, which cannot be chunked along the batch dim for the "

@@ -134,21 +134,10 @@ class FastDataParallel(DataParallel):
             )
         self.scalar_outputs = scalar_outputs
         self.strict_chunks = strict_chunks
-        self._drop_warned = False
-        self._comm = _transports.new_stats()  # see comm_stats()
-        self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
-        self._checked: tuple | None = None  # NOTE [ One signature per step ]
         self.strategy = _launch.make(launch)  # the strategies: fastdp/_launch.py
-        self._last: dict[str, str | None] = {"launch": None}  # see last_launch
-        self._step_lock = threading.Lock()
-        self._pool = WorkerPool()
-        weakref.finalize(self, self._pool.shutdown)
         self.gather_output = gather_output
         self._compile_ctx: Any = None  # FastDataParallel.compile's torch.compile context
-        self._no_sync = False
-        self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
-        self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
-        _LIVE.add(self)
+        self._start()
         devs = self._resolve_devices(device_ids)
         # [beyond DP] chunk sizes and shares per device
         self.chunk_sizes, self.balance = check_split_args(
@@ -169,6 +158,53 @@ class FastDataParallel(DataParallel):
             _check_balance(self.device_ids)
         if len(devs) == 1:
             self.module.to(self.src_device_obj)
+
+    # NOTE [ Saving the wrapper ]
+    # A pickle or deepcopy of the wrapper holds what DataParallel's holds: the module, the Module
+    # dicts and the settings (device_ids, output_device, dim, the keyword-only ones). What serves
+    # the steps of one process (replica sets, signatures, workers, the step lock, gradients
+    # pending under no_sync, counters, caches) is named in ``_RUNTIME``: ``_start`` makes it
+    # afresh, ``__getstate__`` leaves it out and ``__setstate__`` calls ``_start``, so a copy
+    # steps as a fresh wrapper of a copy of the module does, and the original is left as it was.
+    _RUNTIME = (
+        "_drop_warned",
+        "_comm",
+        "_replica_sets",
+        "_checked",
+        "_last",
+        "_step_lock",
+        "_pool",
+        "_no_sync",
+        "_pending_sets",
+        "no_sync_stats",
+        "_direct_compiled",  # _module_for's cache
+    )
+
+    def _start(self) -> None:
+        """The per-process state, fresh (NOTE [ Saving the wrapper ]); registers the wrapper."""
+        self._drop_warned = False  # the rows-dropped warning given (once per wrapper)
+        self._comm = _transports.new_stats()  # see comm_stats()
+        self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}
+        self._checked: tuple | None = None  # NOTE [ One signature per step ]
+        self._last: dict[str, str | None] = {"launch": None}  # see last_launch
+        self._step_lock = threading.Lock()
+        self._pool = WorkerPool()
+        weakref.finalize(self, self._pool.shutdown)
+        self._no_sync = False
+        self._pending_sets: dict[int, ReplicaSet] = {}  # replica sets holding no_sync gradients
+        self.no_sync_stats = {"micro_steps": 0, "folds": 0}  # reductions saved, folds made
+        _LIVE.add(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in self._RUNTIME:
+            state.pop(name, None)
+        state["strategy"] = _launch.make(self.strategy.name)  # "auto" measures anew
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._start()
 
     @staticmethod
     def _resolve_devices(device_ids: Any) -> list[torch.device] | None:

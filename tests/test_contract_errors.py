@@ -2,6 +2,8 @@
 what a new user of the swap-in hits: clear errors for inputs no replica can take, DataParallel's
 pass-through for ``device_ids=[]``."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -128,6 +130,36 @@ def test_unsplittable_inputs_get_fastdps_message_naming_the_leaf(make, kind):
         fdp(torch.ones(4, 1), feats=make())
     with pytest.raises(TypeError, match=rf"input inputs\[0\] is a .*{kind}"):
         fdp(make())
+
+
+def _torch_raises(op):
+    """The type and text of the error of torch's ``op`` (which DataParallel's scatter calls)."""
+    with pytest.raises(Exception) as info:
+        op()
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make,torch_op,advice",
+    [
+        (lambda: torch.tensor(0.5), lambda: torch.tensor(0.5).chunk(2), r"t\.item\(\).*expand"),
+        (
+            lambda: torch.ones(4, 1, device="meta"),
+            lambda: torch.ones(4, 1, device="meta").to("cpu"),
+            r"meta device.*model\.module",
+        ),
+    ],
+    ids=["0-dim", "meta"],
+)
+def test_0dim_and_meta_inputs_name_the_leaf_with_dataparallels_type(
+    backend, make, torch_op, advice
+):
+    kind, text = _torch_raises(torch_op)  # DataParallel's scatter: chunk, then a copy per device
+    fdp = FastDataParallel(Sum(), device_ids=["cpu"] * 2)
+    with pytest.raises(kind, match=rf"^{re.escape(text)}.*input kwargs\['temperature'\].*{advice}"):
+        fdp(torch.ones(4, 1), temperature=make())
+    with pytest.raises(kind, match=rf"^{re.escape(text)}.*input inputs\[1\]"):
+        fdp(torch.ones(4, 1), make())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the pass-through is for CUDA-less machines")
