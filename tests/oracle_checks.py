@@ -33,6 +33,7 @@ OPERATIONS = (
     "data_edit",
     "post_hook",
     "second_order",
+    "round_trip",
 )
 LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
 _unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)

@@ -1,7 +1,8 @@
 """The three runners the differential oracle (tests/test_replicas_oracle.py) compares.
 
 Each owns a deepcopy of one model and its own optimizers, and offers the same operations:
-``forward``, ``backward``, ``grad`` (``torch.autograd.grad``), ``no_sync``, ``zero_grad``, ``step``.
+``forward``, ``backward``, ``grad`` (``torch.autograd.grad``), ``no_sync``, ``zero_grad``, ``step``,
+``round_trip`` (training goes on with a deep copy or a saved and loaded copy).
 ``Wrapped`` runs a ``FastDataParallel`` (persistent or fresh replicas). ``Chunked`` is
 DataParallel's semantics by hand: each chunk runs through a fresh deepcopy of the model (a fresh
 replica: whatever a forward rebinds on it is gone by the next step); in-place writes of chunk 0's
@@ -13,6 +14,7 @@ originals; parameters that need a gradient and got none get zeros (DataParallel'
 from __future__ import annotations
 
 import copy
+import io
 import threading
 from contextlib import nullcontext
 from typing import Any
@@ -61,6 +63,23 @@ class Runner:
     def reset_optimizers(self) -> None:
         self.opts = make_optimizers(self.model, self.opt_kind)
 
+    def round_trip(self, how: str) -> None:
+        """Go on with a copy of the whole object (``copy.deepcopy``, or ``torch.save`` then
+        ``torch.load``), as an early-stopping "best model" copy or a saved wrapper does; the
+        optimizers move to the copy's parameters with their state."""
+        obj = self._whole()
+        if how == "deepcopy":
+            obj = copy.deepcopy(obj)
+        else:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            buf.seek(0)
+            obj = torch.load(buf, weights_only=False)
+        self._replace(obj)
+        old, self.opts = self.opts, make_optimizers(self.model, self.opt_kind)
+        for new, o in zip(self.opts, old):
+            new.load_state_dict(o.state_dict())
+
 
 class Wrapped(Runner):
     """A ``FastDataParallel`` over CPU replicas."""
@@ -79,6 +98,12 @@ class Wrapped(Runner):
         )
         # the sharded optimizer is persistent state: the persistent runner alone runs it
         super().__init__(model, opt if persistent else opt.partition("+")[0])
+
+    def _whole(self) -> Any:
+        return self.fdp
+
+    def _replace(self, obj: Any) -> None:
+        self.fdp, self.model = obj, obj.module
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, keep: bool = False) -> torch.Tensor:
         return self.fdp(x, idx)  # ``keep``: the chunked runner's (a graph still alive)
@@ -138,6 +163,12 @@ class Chunked(Runner):
         self.live: list[dict] = []  # each copy's parameters as its forward found them
         self.hooks: dict[str, list] = {}
         self.post_hooks: dict[str, list] = {}  # run once a backward, on the accumulated .grad
+
+    def _whole(self) -> Any:
+        return self.model
+
+    def _replace(self, obj: Any) -> None:
+        self.model, self.live = obj, []
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, keep: bool = False) -> torch.Tensor:
         if not keep:

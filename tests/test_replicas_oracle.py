@@ -11,13 +11,13 @@ steps (a gradient penalty's backward through ``autograd.grad(create_graph=True)`
 products), ``no_sync()`` micro-steps (one or two forwards before the backward, replicas skipping
 the sparse embedding), ``.data`` edits between them, partial batches, a replica raising, two
 threads calling one wrapper, optimizer steps (SGD, AdamW with weight decay), ``load_state_dict``,
-in-place edits, ``requires_grad`` toggles, train/eval and hooks on the originals (tensor and
-post-accumulate). Three runners (tests/oracle_runners.py) must agree after every operation:
-``FastDataParallel`` with persistent replicas, with ``persistent=False``, and DataParallel's
-semantics by hand on ``torch.chunk`` chunks. Compared: outputs, the type of any exception, every
-``.grad`` (None or not, then values), ``autograd.grad`` results, buffers, and the originals after
-optimizer steps. float64; after each operation the other runners take the persistent runner's
-values (summation order must not drift).
+in-place edits, ``requires_grad`` toggles, a deep copy or save and load of the wrapper mid-run,
+train/eval and hooks on the originals (tensor and post-accumulate). Three runners
+(tests/oracle_runners.py) must agree after every operation: ``FastDataParallel`` with persistent
+replicas, with ``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk``
+chunks. Compared: outputs, the type of any exception, every ``.grad`` (None or not, then values),
+``autograd.grad`` results, buffers, and the originals after optimizer steps. float64; after each
+operation the other runners take the persistent runner's values (summation order must not drift).
 
 With CPU replicas sharing the originals' storage (the default), an in-place parameter write in a
 forward lands once per replica (documented); the ``inplace_param`` feature runs only under
@@ -72,6 +72,7 @@ class Oracle(RuleBasedStateMachine):
         self.feats, self.n, self.pending, self.launch = feats, n, False, launch
         # a post-accumulate hook, with the reentrant checkpoint: see post_hook()
         self.post_hooked = self.hooked_checkpoint = False
+        self.hooked = False  # a hook on an original (tensor or post-accumulate)
         self.named_only = False  # the last backward named its inputs: see agree()
         model = OracleNet(feats, seed)
         self.runners = [
@@ -354,6 +355,14 @@ class Oracle(RuleBasedStateMachine):
         """Freeze everything (replicas built then need no gradients), unfreeze everything."""
         self.each(lambda r: r.model.requires_grad_(flag))
 
+    @precondition(lambda self: not self.hooked)  # tensor hooks are not copied or saved
+    @on("round_trip")
+    @rule(how=st.sampled_from(["deepcopy", "save"]))
+    def round_trip(self, how):
+        """The wrapper (the chunked runner: its model) deep-copied or saved and loaded between
+        steps; training goes on with the copy, whose replicas are built anew."""
+        self.each(lambda r: r.round_trip(how))
+
     @on("train_eval")
     @rule(training=st.booleans())
     def train_eval(self, training):
@@ -363,6 +372,7 @@ class Oracle(RuleBasedStateMachine):
     @rule()
     def hook_on_original(self):
         self.each(lambda r: r.add_hook("lin.bias", _half))
+        self.hooked = True
 
     @precondition(lambda self: "checkpoint" not in self.feats or self.launch == "inline")
     @on("post_hook")
@@ -376,6 +386,7 @@ class Oracle(RuleBasedStateMachine):
         workers' sequence numbers). No two forwards before one backward from then on: each of
         DataParallel's ``Broadcast`` nodes accumulates, in the order of their sequence numbers."""
         self.each(lambda r: r.add_post_hook("lin.bias", halve_grad))
+        self.hooked = True
         self.post_hooked = True
         self.hooked_checkpoint = "checkpoint" in self.feats
 
