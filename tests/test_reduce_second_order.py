@@ -1,6 +1,7 @@
 """Gradients through the parameters' gradients (``create_graph=True``): the bucket reduce must be
 recorded for every replica, so gradient penalties and Hessian-vector products equal the plain
-module's on the same chunks, for any number of replicas, dtype, storage mode and backend."""
+module's on the same chunks, for any number of replicas, dtype, storage mode and backend, on CPU
+replicas and on replicas sharing cuda:0 (skipped without a GPU)."""
 
 import copy
 
@@ -11,19 +12,21 @@ from torch import nn
 from torch.testing import assert_close
 
 from fastdp import FastDataParallel
+from fastdp.testing import device_of, replica_ids, withCUDA
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 TOL = {torch.float32: {}, torch.float64: {}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
-def _model(dtype: torch.dtype) -> nn.Module:
+def _model(dtype: torch.dtype, kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device_of(kind), dtype)
 
 
-def _data(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(dtype: torch.dtype, seed: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(16, 8, generator=g).to(dtype), torch.randn(16, 4, generator=g).to(dtype)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    return x.to(device_of(kind), dtype), y.to(device_of(kind), dtype)
 
 
 def _chunked(module: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -45,14 +48,15 @@ def _hvp(fdp, x, y, v):
     return torch.autograd.grad(gs, params, grad_outputs=v)
 
 
+@withCUDA
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_gradient_penalty_equals_the_chunked_module(n, dtype, storage, backend):
-    model = _model(dtype)
+def test_gradient_penalty_equals_the_chunked_module(n, dtype, kind, storage, backend):
+    model = _model(dtype, kind)
     ref = copy.deepcopy(model)
-    fdp = FastDataParallel(model, ["cpu"] * n)
+    fdp = FastDataParallel(model, replica_ids(kind, n))
     for step in range(2):  # the second step on persistent replicas and nodes
-        x, y = _data(dtype, step)
+        x, y = _data(dtype, step, kind)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
         gs, grads = _penalty_step(fdp, x, y)
@@ -69,16 +73,17 @@ def _penalty_ref(ref, x, y, n):
     return [g.detach() for g in gs], [p.grad.clone() for p in params]
 
 
+@withCUDA
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_hessian_vector_product_equals_the_chunked_module(n, dtype, storage, backend):
-    model = _model(dtype)
+def test_hessian_vector_product_equals_the_chunked_module(n, dtype, kind, storage, backend):
+    model = _model(dtype, kind)
     ref = copy.deepcopy(model)
-    fdp = FastDataParallel(model, ["cpu"] * n)
+    fdp = FastDataParallel(model, replica_ids(kind, n))
     gen = torch.Generator().manual_seed(7)
-    v = [torch.randn(p.shape, generator=gen).to(dtype) for p in model.parameters()]
+    v = [torch.randn(p.shape, generator=gen).to(p) for p in model.parameters()]
     for step in range(2):
-        x, y = _data(dtype, step)
+        x, y = _data(dtype, step, kind)
         hv = _hvp(fdp, x, y, v)
         params = list(ref.parameters())
         gs = torch.autograd.grad(F.mse_loss(_chunked(ref, x, n), y), params, create_graph=True)
