@@ -42,7 +42,7 @@ class Faulty(nn.Module):
         self.lin = nn.Linear(4, 3)
         self.bn = nn.BatchNorm1d(3)
         self.raise_in: int | None = None
-        self.error = None  # set: chunk k's replica raises error(k) unless it is None
+        self.errors: dict = {}  # chunk -> a function of the chunk making what its replica raises
         self.sleep_s = 0.0
         self.finished: list[tuple[int, float]] = []  # (chunk, sleep) of each finished forward
 
@@ -51,11 +51,10 @@ class Faulty(nn.Module):
         slow = self.sleep_s
         if slow:
             time.sleep(slow)
-        err = self.error(k) if self.error else None
-        if err is None and k == self.raise_in:
-            err = ValueError(f"boom in chunk {k}")
-        if err is not None:
-            raise err
+        if k in self.errors:  # raised without a local: no frame-exception cycle
+            raise self.errors[k](k)
+        if k == self.raise_in:
+            raise ValueError(f"boom in chunk {k}")
         out = self.bn(self.lin(x))
         self.finished.append((k, slow))
         return out
@@ -162,7 +161,7 @@ def test_base_exception_in_one_replica(kind, n, bad):
     fdp(batch(n))  # warm-up
     threads = threading.active_count()
     raised: list[BaseException] = []
-    model.error = lambda k: raised.append(BASE_ERRORS[kind](k)) or raised[-1] if k == bad else None
+    model.errors = {bad: lambda k: raised.append(BASE_ERRORS[kind](k)) or raised[-1]}
     model.finished.clear()
     with pytest.raises(BaseException) as info:
         fdp(batch(n))
@@ -171,7 +170,7 @@ def test_base_exception_in_one_replica(kind, n, bad):
         assert sorted(k for k, _ in model.finished) == [k for k in range(n) if k != bad]
         notes = getattr(info.value, "__notes__", [f"in replica {bad} on device cpu"])  # 3.10
         assert any(f"in replica {bad} on device cpu" in note for note in notes)
-    model.error = None
+    model.errors = {}
     assert bounded(lambda: fdp(batch(n))).shape == (2 * n, 3)
     check_step_matches_plain(fdp, n)
     assert wait_threads(threads) <= threads
@@ -183,13 +182,11 @@ def test_base_exception_wins_over_an_exception():
     model = Faulty()
     fdp = FastDataParallel(model, CPU4)
     fdp(batch(4))
-    model.error = lambda k: (
-        ValueError("replica 0's") if k == 0 else SystemExit(5) if k == 1 else None
-    )
+    model.errors = {0: lambda k: ValueError("replica 0's"), 1: lambda k: SystemExit(5)}
     with pytest.raises(SystemExit) as info:
         fdp(batch(4))
     assert info.value.code == 5
-    model.error = None
+    model.errors = {}
     check_step_matches_plain(fdp, 4)
 
 
