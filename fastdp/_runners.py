@@ -154,7 +154,7 @@ def run_replica(
 ) -> Any:
     """Call one replica; returns its output or an ExceptionWrapper (never raises, so a worker
     thread outlives a replica's SystemExit as DataParallel's fresh threads do)."""
-    _local.launch = state.get("launch")
+    outer, _local.launch = current_launch(), state.get("launch")
     try:
         with ExitStack() as stack:
             enter_state(stack, state, device)
@@ -166,7 +166,7 @@ def run_replica(
     except BaseException as e:  # noqa: BLE001 - re-raised in the caller (raise_first_error)
         return _Raised(e, i, device)
     finally:
-        _local.launch = None
+        _local.launch = outer
 
 
 def run_in_turn(
