@@ -152,8 +152,9 @@ class _Raised(ExceptionWrapper):
 def run_replica(
     i: int, module: Module, inp: Any, kwargs: dict, device: torch.device, state: dict[str, Any]
 ) -> Any:
-    """Call one replica; returns its output or an ExceptionWrapper (never raises, so a worker
-    thread outlives a replica's SystemExit as DataParallel's fresh threads do)."""
+    """Call one replica; returns its output or an ExceptionWrapper (never raises: a persistent
+    worker outlives a replica's SystemExit; torch's parallel_apply, whose thread ends, reports a
+    KeyError for the missing result)."""
     outer, _local.launch = current_launch(), state.get("launch")
     try:
         with ExitStack() as stack:

@@ -227,9 +227,8 @@ def test_timeout_when_a_replica_is_stuck(monkeypatch):
 
 
 class _Stalling(nn.Module):
-    """While ``ctl["stall"]``, the replica of the marked row asks for Ctrl-C on the caller (a user
-    pressing it mid-step) and waits for ``ctl["resume"]`` before its first BatchNorm, which the
-    other replicas wait at. ``ctl`` is one dict shared by the replicas (never reassigned)."""
+    """While ``ctl["stall"]`` (one dict the replicas share), the marked row's replica presses
+    Ctrl-C for the caller, then waits for ``ctl["resume"]`` before the BatchNorm others wait at."""
 
     def __init__(self):
         super().__init__()
@@ -245,7 +244,7 @@ class _Stalling(nn.Module):
         return self.bn2(self.lin(self.bn1(x)))
 
 
-@pytest.mark.usefixtures("storage")
+@pytest.mark.usefixtures("storage", "launch")  # replicas that meet run on threads under each
 @pytest.mark.parametrize("resume", ["before_next_step", "once_next_step_armed"])
 def test_step_after_an_interrupted_step_runs_at_once(resume, monkeypatch, sigint):
     """Ctrl-C while replicas wait at a SyncBatchNorm: the next step neither waits for
@@ -325,8 +324,8 @@ def test_prepared_replicas_are_restored_after_the_step():
 
 
 def test_block_left_while_replicas_may_still_run():
-    """Left by an error before its replicas finished, the block keeps their forwards closed:
-    the replicas no longer meet, and a later call runs the module's own forward."""
+    """Left by an error while replicas may run, the block keeps their forwards, closed: the
+    replicas no longer meet, a later call runs the module's own forward."""
     sync, ref = _sync_and_ref(_cnn())
     replicas = fastdp.replicate.replicate(sync, ["cpu"] * 2)
     with pytest.raises(KeyboardInterrupt):
