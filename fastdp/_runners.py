@@ -6,11 +6,13 @@ carries only the CUDA flag) reach every replica; CUDA replicas run under their d
 caller's current stream of that device (read in the caller: see NOTE [ The caller's streams ]). A
 replica's exception is re-raised in the caller as its own type with ``Caught X in replica i on
 device d.`` and the original traceback, whichever launch strategy ran it (the strategies and the
-rule that picks one: ``fastdp/_launch.py``).
+rule that picks one: ``fastdp/_launch.py``); a BaseException that is no Exception (SystemExit,
+KeyboardInterrupt, a cancellation) is re-raised as itself, with that line as a note.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import traceback
 from collections.abc import Sequence
@@ -25,6 +27,8 @@ from fastdp._torch_private import ExceptionWrapper
 
 __all__ = [
     "capture_state",
+    "current_launch",
+    "launch_number",
     "ReplicaAborted",
     "raise_first_error",
     "reraise",
@@ -35,6 +39,18 @@ __all__ = [
 ]
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
+_numbers = itertools.count(1)
+_local = threading.local()  # ``launch``: the launch whose replica this thread runs, or None
+
+
+def launch_number() -> int:
+    """A number above every one handed out before (launches and rendezvous take them in order)."""
+    return next(_numbers)
+
+
+def current_launch() -> int | None:
+    """The number of the launch (``capture_state``) whose replica this thread runs, else None."""
+    return getattr(_local, "launch", None)
 
 
 class ReplicaAborted(RuntimeError):
@@ -66,6 +82,7 @@ def capture_state(devices: Sequence[torch.device] = ()) -> dict[str, Any]:
         "autocast": autocast,
         "autocast_cache": torch.is_autocast_cache_enabled(),
         "streams": {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"},
+        "launch": launch_number(),
     }
 
 
@@ -117,10 +134,28 @@ def _wrapped_error(i: int, device: torch.device) -> ExceptionWrapper:
     return ExceptionWrapper(where=f"in replica {i} on device {public_id(device)}")
 
 
+class _Raised(ExceptionWrapper):
+    """A replica's BaseException that is no Exception, kept as itself: rebuilt from a message it
+    would lose SystemExit's code, a cancellation's arguments, or become a RuntimeError."""
+
+    def __init__(self, exc: BaseException, i: int, device: torch.device) -> None:
+        self.exc_type, self.exc = type(exc), exc
+        self.where = f"in replica {i} on device {public_id(device)}"
+
+    def reraise(self) -> None:
+        exc, self.exc = self.exc, None
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"Caught {self.exc_type.__name__} {self.where}.")
+        raise exc
+
+
 def run_replica(
     i: int, module: Module, inp: Any, kwargs: dict, device: torch.device, state: dict[str, Any]
 ) -> Any:
-    """Call one replica; returns its output or an ExceptionWrapper (never raises)."""
+    """Call one replica; returns its output or an ExceptionWrapper (never raises: a persistent
+    worker outlives a replica's SystemExit; torch's parallel_apply, whose thread ends, reports a
+    KeyError for the missing result)."""
+    outer, _local.launch = current_launch(), state.get("launch")
     try:
         with ExitStack() as stack:
             enter_state(stack, state, device)
@@ -129,6 +164,10 @@ def run_replica(
             return module(*inp, **kwargs)
     except Exception:
         return _wrapped_error(i, device)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller (raise_first_error)
+        return _Raised(e, i, device)
+    finally:
+        _local.launch = outer
 
 
 def run_in_turn(
@@ -194,10 +233,14 @@ def run_on_threads(
 
 
 def raise_first_error(results: Sequence[Any]) -> None:
-    """Re-raise the first replica error, preferring a replica's own over ``ReplicaAborted``."""
+    """Re-raise the first replica error, preferring a BaseException that is no Exception (it
+    ends the step as it would inline, on the caller's thread), then a replica's own error over
+    ``ReplicaAborted``."""
     errors = [out for out in results if isinstance(out, ExceptionWrapper)]
     if errors:
-        first = next((e for e in errors if not issubclass(e.exc_type, ReplicaAborted)), errors[0])
+        first = next((e for e in errors if isinstance(e, _Raised)), None) or next(
+            (e for e in errors if not issubclass(e.exc_type, ReplicaAborted)), errors[0]
+        )
         reraise(first)
 
 

@@ -23,7 +23,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn import Module, SyncBatchNorm
 
-from fastdp._runners import ReplicaAborted
+from fastdp._runners import ReplicaAborted, current_launch, launch_number
 
 __all__ = ["CallbackContext", "prepare_replicas", "replicas_meet"]
 
@@ -46,7 +46,7 @@ class CallbackContext:
 # deadlock where the engine runs several replicas' backward on one thread (CPU, a shared GPU). A
 # replica that raises, finishes without reaching a layer the others wait at, or times out
 # (``FASTDP_SYNC_TIMEOUT`` seconds, else ``_DEFAULT_TIMEOUT``) releases the others with an error;
-# none hangs.
+# none hangs. Leaving the block closes the meeting: NOTE [ A block left while replicas run ].
 class _Rendezvous:
     """One step's meeting point of ``n`` replicas; keys are (layer, call)."""
 
@@ -56,13 +56,29 @@ class _Rendezvous:
         self.slots: dict[tuple[int, int], list] = {}
         self.done = [False] * n
         self.failed: tuple[int, BaseException] | None = None
+        self.armed = launch_number()  # launches numbered below it started before the block
+        self.closed: int | None = None  # launch_number() when the block was left
 
     def finish(self, rank: int, exc: BaseException | None) -> None:
         with self.cond:
             self.done[rank] = True
-            if exc is not None and self.failed is None and not isinstance(exc, ReplicaAborted):
+            if (
+                exc is not None
+                and self.failed is None
+                and self.closed is None
+                and not isinstance(exc, ReplicaAborted)
+            ):
                 self.failed = (rank, exc)
             self.cond.notify_all()
+
+    def close(self) -> bool:
+        """End the meeting (the block is left): waiting replicas stop at once. Returns whether
+        every replica has finished its forward."""
+        with self.cond:
+            self.closed = launch_number()
+            self.slots, self.failed = {}, None  # nothing kept alive by forwards left in place
+            self.cond.notify_all()
+            return all(self.done)
 
     def exchange(self, key: tuple[int, int], rank: int, payload: Any) -> list[Any]:
         n, where = self.n, f"SyncBatchNorm '{self.names[key[0]]}' (call {key[1]})"
@@ -74,6 +90,11 @@ class _Rendezvous:
                 self.cond.notify_all()
             deadline = time.monotonic() + self.timeout
             while entry[1] < n:
+                if self.closed is not None:
+                    raise ReplicaAborted(
+                        f"fastdp: replica {rank} stopped waiting at {where}: the step ended "
+                        "(interrupted) before every replica arrived"
+                    )
                 if self.failed is not None:
                     r, exc = self.failed
                     raise ReplicaAborted(
@@ -213,6 +234,16 @@ class _Forward:
         self.rv, self.rank, self.layer, self.root, self.calls = rv, rank, layer, root, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rv, launch = self.rv, current_launch()
+        if launch is not None and launch < (rv.armed if rv.closed is None else rv.closed):
+            raise ReplicaAborted(  # NOTE [ A block left while replicas run ]
+                f"fastdp: replica {self.rank} belongs to a step that was interrupted; it stops here"
+            )
+        if rv.closed is not None:  # the module's own forward, for every later call
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            m = self.ref()
+            return type(m).forward(m, *args, **kwargs)
         if not self.root:
             return self._call(args, kwargs)
         try:
@@ -313,16 +344,30 @@ def _callbacks(replicas: Sequence[Module], cb_pos: list[int]) -> list[list[tuple
     return out
 
 
+# NOTE [ A block left while replicas run ]
+# Ctrl-C (or any error) can leave the ``prepare_replicas`` block while replicas still run on
+# workers: Python cannot stop them, and the next step only waits for them inside its launch,
+# after it armed the replicas again. Restoring the forwards then would let a replica not yet at
+# a layer run it unsynchronised, or join the next step's meeting (a deadlock until the timeout).
+# So leaving the block closes the meeting (waiting replicas stop) and keeps the forwards while a
+# replica has not finished: a call made by a replica of a launch numbered below the meeting's
+# arming (or its closing) raises ``ReplicaAborted`` at once (``current_launch``); any other call
+# runs the module's own forward. The next ``prepare_replicas`` replaces them.
 class _Prepared:
-    """Context manager returned by ``prepare_replicas``; restores the replicas' forwards on exit."""
+    """Context manager returned by ``prepare_replicas``; restores the replicas' forwards on exit
+    (NOTE [ A block left while replicas run ])."""
 
-    def __init__(self, installed: list[tuple[Module, _Forward]]) -> None:
-        self.installed = installed
+    def __init__(self, installed: list[tuple[Module, _Forward]], rv: _Rendezvous | None) -> None:
+        self.installed, self.rv = installed, rv
 
     def __enter__(self) -> _Prepared:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        rv, self.rv = self.rv, None
+        if rv is not None and not rv.close() and exc[0] is not None:
+            self.installed = []  # a replica may still run: the forwards stay, closed
+            return
         for module, fwd in self.installed:
             if fwd.inner is None:
                 module.__dict__.pop("forward", None)
@@ -337,7 +382,8 @@ def replicas_meet(replicas: Sequence[Any]) -> bool:
     armed them (their roots run its rendezvous's forward) and its block has not ended. A query
     of the replicas themselves: O(1), nothing written."""
     d = getattr(replicas[0], "__dict__", None) if replicas else None
-    return d is not None and isinstance(d.get("forward"), _Forward)
+    f = d.get("forward") if d is not None else None
+    return isinstance(f, _Forward) and f.rv.closed is None
 
 
 def _timeout(timeout: float | None) -> float:
@@ -357,7 +403,9 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
 
     The replicas must run concurrently (one thread each): inside the block, ``parallel_apply``
     runs them on threads whatever the launch strategy.
-    Works with fresh or cached replicas: nothing is left on them after the ``with`` block.
+    Works with fresh or cached replicas: nothing is left on them after the ``with`` block
+    (unless an error left it while a replica may still run: NOTE [ A block left while replicas
+    run ]).
 
     Args:
         replicas: the step's replicas (module trees isomorphic to the original).
@@ -365,14 +413,14 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
             ``TimeoutError`` (default ``FASTDP_SYNC_TIMEOUT`` or 300).
     """
     if not replicas:
-        return _Prepared([])
+        return _Prepared([], None)
     names, sync_bns, callbacks = _scan(replicas)
     ctxs: dict[int, CallbackContext] = {}
     for copy_id, mods in enumerate(callbacks):  # master copy first, as DataParallelWithCallback
         for j, m in mods:
             m.__data_parallel_replicate__(ctxs.setdefault(j, CallbackContext()), copy_id)
     if len(replicas) < 2 or not (names or any(callbacks)):
-        return _Prepared([])
+        return _Prepared([], None)
     # callbacks' copies may talk to each other during forward: their roots run the rendezvous's
     # forward too (it has no layer to sync), so replicas_meet says they must run at once
     rv = _Rendezvous(len(replicas), _timeout(timeout), names)
@@ -385,4 +433,4 @@ def prepare_replicas(replicas: Sequence[Module], *, timeout: float | None = None
             installed.append((root, _Forward(root, rv, rank, None, root=True)))
     for m, fwd in installed:
         m.__dict__["forward"] = fwd
-    return _Prepared(installed)
+    return _Prepared(installed, rv)

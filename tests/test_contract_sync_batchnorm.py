@@ -1,7 +1,9 @@
 """SyncBatchNorm across replicas in one process, and ``__data_parallel_replicate__`` (point 3)."""
 
+import _thread
 import copy
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -224,6 +226,67 @@ def test_timeout_when_a_replica_is_stuck(monkeypatch):
     assert "FASTDP_SYNC_TIMEOUT" in str(box["err"])
 
 
+class _Stalling(nn.Module):
+    """While ``ctl["stall"]`` (one dict the replicas share), the marked row's replica presses
+    Ctrl-C for the caller, then waits for ``ctl["resume"]`` before the BatchNorm others wait at."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctl = {"stall": False, "resume": threading.Event()}
+        self.bn1 = nn.BatchNorm1d(3)
+        self.lin = nn.Linear(3, 3)
+        self.bn2 = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        if self.ctl["stall"] and bool((x[:, 0] == 1000).any()):
+            _thread.interrupt_main()
+            self.ctl["resume"].wait(60)
+        return self.bn2(self.lin(self.bn1(x)))
+
+
+@pytest.mark.usefixtures("storage", "launch")  # replicas that meet run on threads under each
+@pytest.mark.parametrize("resume", ["before_next_step", "once_next_step_armed"])
+def test_step_after_an_interrupted_step_runs_at_once(resume, monkeypatch, sigint):
+    """Ctrl-C while replicas wait at a SyncBatchNorm: the next step neither waits for
+    FASTDP_SYNC_TIMEOUT nor fails, and equals BatchNorm on the whole batch, whether the
+    interrupted step's late replica goes on before the next step or once it armed its own."""
+    monkeypatch.setenv("FASTDP_SYNC_TIMEOUT", "5")
+    ref = _Stalling().double()
+    sync = nn.SyncBatchNorm.convert_sync_batchnorm(_Stalling().double())
+    sync.load_state_dict(ref.state_dict())
+    ctl = sync.ctl
+    fdp = fastdp.FastDataParallel(sync, ["cpu"] * 3)
+    fdp(torch.randn(9, 3, dtype=torch.float64))  # warm-up: persistent replicas, workers
+    ctl["stall"] = True
+    with pytest.raises(KeyboardInterrupt):
+        fdp(_marked_batch().double())
+    ctl["stall"], sigint["armed"] = False, False
+    if resume == "before_next_step":
+        ctl["resume"].set()
+    else:
+        wrapper = sys.modules["fastdp.data_parallel"]
+        arm = wrapper.prepare_replicas
+
+        def arm_then_resume(replicas):
+            prepared = arm(replicas)
+            ctl["resume"].set()
+            return prepared
+
+        monkeypatch.setattr(wrapper, "prepare_replicas", arm_then_resume)
+    x = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
+    start = time.monotonic()
+    box = _run_bounded(lambda: fdp(x))
+    assert time.monotonic() - start < 2.5, "the next step waited for FASTDP_SYNC_TIMEOUT"
+    assert "err" not in box, box.get("err")
+    box["out"].square().sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    assert_close(box["out"], ref(xr.detach()))
+    assert_close(x.grad, xr.grad)
+    for (name, p), q in zip(sync.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, msg=name)
+
+
 class _Spy(fastdp.FastDataParallel):
     def replicate(self, module, device_ids):
         replicas = super().replicate(module, device_ids)
@@ -258,6 +321,22 @@ def test_prepared_replicas_are_restored_after_the_step():
         assert must_run_together(replicas)  # asked of the replicas, not of a registry
     assert all("forward" not in m.__dict__ for r in replicas for m in r.modules())
     assert not must_run_together(replicas)
+
+
+def test_block_left_while_replicas_may_still_run():
+    """Left by an error while replicas may run, the block keeps their forwards, closed: the
+    replicas no longer meet, a later call runs the module's own forward."""
+    sync, ref = _sync_and_ref(_cnn())
+    replicas = fastdp.replicate.replicate(sync, ["cpu"] * 2)
+    with pytest.raises(KeyboardInterrupt):
+        with sync_batchnorm.prepare_replicas(replicas):
+            raise KeyboardInterrupt  # before the launch: a replica might still be queued
+    assert not must_run_together(replicas)
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    assert_close(replicas[1](x), ref(x))  # no process group: plain BatchNorm behaviour
+    with sync_batchnorm.prepare_replicas(replicas):  # armed again, then restored
+        assert must_run_together(replicas)
+    assert all("forward" not in m.__dict__ for r in replicas for m in r.modules())
 
 
 def test_persistent_replicas_are_reused_and_left_clean():

@@ -1,4 +1,5 @@
-"""Faults on CPU replicas: a replica that raises, Ctrl-C mid-step, deleting the wrapper.
+"""Faults on CPU replicas: a replica that raises (an Exception or any other BaseException), Ctrl-C
+mid-step, deleting the wrapper.
 
 Each test measures the thread count after a warm-up step (persistent worker threads, when there are
 any, exist by then) and requires it to be the same after the fault, and the next step to match the
@@ -12,6 +13,7 @@ import copy
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from fastdp import FastDataParallel
+from fastdp._workers import _STOP, WorkerPool
 
 # NOTE [ Tests under each launch strategy ]; each also with the extension allowed and forced off
 pytestmark = pytest.mark.usefixtures("launch", "backend")
@@ -39,6 +42,7 @@ class Faulty(nn.Module):
         self.lin = nn.Linear(4, 3)
         self.bn = nn.BatchNorm1d(3)
         self.raise_in: int | None = None
+        self.errors: dict = {}  # chunk -> a function of the chunk making what its replica raises
         self.sleep_s = 0.0
         self.finished: list[tuple[int, float]] = []  # (chunk, sleep) of each finished forward
 
@@ -47,6 +51,8 @@ class Faulty(nn.Module):
         slow = self.sleep_s
         if slow:
             time.sleep(slow)
+        if k in self.errors:  # raised without a local: no frame-exception cycle
+            raise self.errors[k](k)
         if k == self.raise_in:
             raise ValueError(f"boom in chunk {k}")
         out = self.bn(self.lin(x))
@@ -106,6 +112,82 @@ def test_exception_in_one_replica(n, bad):
     model.raise_in, model.sleep_s = None, 0.0
     check_step_matches_plain(fdp, n)
     assert wait_threads(threads) <= threads
+
+
+class Cancelled(BaseException):
+    """A cancellation: no Exception, and not buildable from a message (two arguments)."""
+
+    def __init__(self, scope: str, reason: str) -> None:
+        super().__init__(scope, reason)
+
+
+BASE_ERRORS = {
+    "SystemExit": lambda k: SystemExit(3),
+    "KeyboardInterrupt": lambda k: KeyboardInterrupt(f"chunk {k}"),
+    "pytest.fail": lambda k: pytest.fail.Exception(f"failed in chunk {k}"),
+    "Cancelled": lambda k: Cancelled("step", f"chunk {k}"),
+}
+
+
+def bounded(fn, seconds: float = 30.0):
+    """``fn()`` on a thread: its result, or its error re-raised; fails (not hangs) past
+    ``seconds``."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["err"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"the call did not return within {seconds} s (hung)"
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+@pytest.mark.usefixtures("storage")
+@pytest.mark.parametrize("kind", BASE_ERRORS)
+@pytest.mark.parametrize("n,bad", [(2, 1), (4, 0)])
+def test_base_exception_in_one_replica(kind, n, bad):
+    """A replica's SystemExit, KeyboardInterrupt, pytest failure or cancellation reaches the
+    caller as itself (threads: a note names the replica), every other replica finishes, and the
+    next step works: no worker lost (it used to die, and every later step hung)."""
+    model = Faulty()
+    fdp = FastDataParallel(model, ["cpu"] * n)
+    fdp(batch(n))  # warm-up
+    threads = threading.active_count()
+    raised: list[BaseException] = []
+    model.errors = {bad: lambda k: raised.append(BASE_ERRORS[kind](k)) or raised[-1]}
+    model.finished.clear()
+    with pytest.raises(BaseException) as info:
+        fdp(batch(n))
+    assert [info.value] == raised  # the replica's own object: type, arguments, exit code
+    if fdp.last_launch == "threads":  # inline, it propagated from the caller's own thread
+        assert sorted(k for k, _ in model.finished) == [k for k in range(n) if k != bad]
+        notes = getattr(info.value, "__notes__", [f"in replica {bad} on device cpu"])  # 3.10
+        assert any(f"in replica {bad} on device cpu" in note for note in notes)
+    model.errors = {}
+    assert bounded(lambda: fdp(batch(n))).shape == (2 * n, 3)
+    check_step_matches_plain(fdp, n)
+    assert wait_threads(threads) <= threads
+
+
+def test_base_exception_wins_over_an_exception():
+    """As inline (where it stops the step on the caller's thread), a replica's SystemExit is
+    raised in preference to another replica's ValueError, whichever replica comes first."""
+    model = Faulty()
+    fdp = FastDataParallel(model, CPU4)
+    fdp(batch(4))
+    model.errors = {0: lambda k: ValueError("replica 0's"), 1: lambda k: SystemExit(5)}
+    with pytest.raises(SystemExit) as info:
+        fdp(batch(4))
+    assert info.value.code == 5
+    model.errors = {}
+    check_step_matches_plain(fdp, 4)
 
 
 def test_failed_step_leaves_no_reference_cycle():
@@ -236,3 +318,20 @@ def test_parameters_freed_after_wrapper_deleted(finish):
         del fdp, model, out
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_worker_pool_survives_and_replaces_workers():
+    """A task's BaseException reaches the caller and its worker lives on; a worker that ended
+    anyway (here told to stop) is replaced by the next run, which completes."""
+    pool = WorkerPool()
+    try:
+        assert pool.run([lambda: 1, lambda: 2]) == [1, 2]
+        with pytest.raises(SystemExit):
+            pool.run([lambda: 1, lambda: sys.exit(7)])
+        assert len(pool) == 2 and all(t.is_alive() for t in pool._threads)
+        pool._queues[1].put(_STOP)
+        pool._threads[1].join(5)
+        assert bounded(lambda: pool.run([lambda: 3, lambda: 4])) == [3, 4]
+        assert len(pool) == 2 and all(t.is_alive() for t in pool._threads)
+    finally:
+        pool.shutdown()
