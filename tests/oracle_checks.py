@@ -34,6 +34,7 @@ OPERATIONS = (
     "post_hook",
     "second_order",
     "round_trip",
+    "base_exception",
 )
 LEFT_OUT = frozenset(filter(None, os.environ.get("FASTDP_ORACLE_SKIP", "").split(",")))
 _unknown = LEFT_OUT - set(FEATURES) - set(OPERATIONS)

@@ -3,7 +3,8 @@ are switched on by feature names, each a thing real models do.
 
 Inputs: ``x`` (rows, D) float64 and ``idx`` (rows,) int64 in [0, VOCAB). ``idx == SKIP`` in a
 chunk makes that replica skip the sparse embedding and the ``branch`` parameter (parameters used by
-some replicas only); ``idx == FAIL`` makes the replica raise ``ValueError`` before touching state.
+some replicas only); ``idx == FAIL`` makes the replica raise ``ValueError`` before touching state,
+``idx == EXIT`` a ``ReplicaExit``, a ``BaseException`` (as ``SystemExit`` or a cancellation).
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from torch.utils.checkpoint import checkpoint
 
 D = 4
 VOCAB = 10
-SKIP, FAIL = -1, -2
+SKIP, FAIL, EXIT = -1, -2, -3
+
+
+class ReplicaExit(BaseException):
+    """Not an ``Exception``: what ``SystemExit``, ``KeyboardInterrupt`` or a test framework's
+    failure is to a replica's forward."""
+
 
 # What a model is made of (parameters used through views, shared, frozen, unused, in several
 # buckets...) and what its forward writes (attributes, buffers, parameters, .data, hooks, modules).
@@ -108,6 +115,8 @@ class OracleNet(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if (idx == FAIL).any():
             raise ValueError("replica asked to fail")
+        if (idx == EXIT).any():
+            raise ReplicaExit("replica asked to exit")
         skip = bool((idx == SKIP).any())
         h = self._writes_before(x)
         if "checkpoint" in self.feats:  # its own leaf input: the other parameters' gradients

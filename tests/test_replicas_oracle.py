@@ -9,15 +9,16 @@ training loop's operations: steps with ``backward``, ``retain_graph=True`` and t
 ``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without ``zero_grad``, second-order
 steps (a gradient penalty's backward through ``autograd.grad(create_graph=True)``, Hessian-vector
 products), ``no_sync()`` micro-steps (one or two forwards before the backward, replicas skipping
-the sparse embedding), ``.data`` edits between them, partial batches, a replica raising, two
-threads calling one wrapper, optimizer steps (SGD, AdamW with weight decay), ``load_state_dict``,
-in-place edits, ``requires_grad`` toggles, a deep copy or save and load of the wrapper mid-run,
-train/eval and hooks on the originals (tensor and post-accumulate). Three runners
-(tests/oracle_runners.py) must agree after every operation: ``FastDataParallel`` with persistent
-replicas, with ``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk``
-chunks. Compared: outputs, the type of any exception, every ``.grad`` (None or not, then values),
-``autograd.grad`` results, buffers, and the originals after optimizer steps. float64; after each
-operation the other runners take the persistent runner's values (summation order must not drift).
+the sparse embedding), ``.data`` edits between them, partial batches, a replica raising (an
+``Exception`` or a ``BaseException``), two threads calling one wrapper, optimizer steps (SGD, AdamW
+with weight decay), ``load_state_dict``, in-place edits, ``requires_grad`` toggles, a deep copy or
+save and load of the wrapper mid-run, train/eval and hooks on the originals (tensor and
+post-accumulate). Three runners (tests/oracle_runners.py) must agree after every operation:
+``FastDataParallel`` with persistent replicas, with ``persistent=False``, and DataParallel's
+semantics by hand on ``torch.chunk`` chunks. Compared: outputs, the type of any exception, every
+``.grad`` (None or not, then values), ``autograd.grad`` results, buffers, and the originals after
+optimizer steps. float64; after each operation the other runners take the persistent runner's
+values (summation order must not drift).
 
 With CPU replicas sharing the originals' storage (the default), an in-place parameter write in a
 forward lands once per replica (documented); the ``inplace_param`` feature runs only under
@@ -48,7 +49,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from oracle_checks import LAUNCHES, LEFT_OUT, LOSSES, NAMES, SETTINGS, agree, halve_grad, on
-from oracle_models import FAIL, FEATURES, SKIP, VOCAB, D, OracleNet, _half
+from oracle_models import EXIT, FAIL, FEATURES, SKIP, VOCAB, D, OracleNet, ReplicaExit, _half
 from oracle_runners import Chunked, Wrapped
 
 from fastdp import _buckets
@@ -299,6 +300,22 @@ class Oracle(RuleBasedStateMachine):
         with torch.set_grad_enabled(grad):
             self.each(lambda r: r.forward(x, idx))
         assert all(isinstance(e, ValueError) for e in self.errors), self.errors
+
+    @on("base_exception")
+    @rule(b=st.integers(1, 12), k=st.integers(0, 3), grad=st.booleans())
+    def base_exception_step(self, b, k, grad):
+        """A replica raising a ``BaseException`` (``SystemExit``, a cancellation): every runner
+        raises it as itself, and the steps after it run as before."""
+        x, idx = self.batch(b, EXIT, k)
+        caught = []
+        with torch.set_grad_enabled(grad):
+            for r in self.runners:
+                try:
+                    r.forward(x, idx)
+                    caught.append(None)
+                except ReplicaExit as e:
+                    caught.append(e.args)
+        assert caught == [("replica asked to exit",)] * len(self.runners), caught
 
     @precondition(lambda self: "threads" not in LEFT_OUT and not self.post_hooked)
     @precondition(lambda self: not self.pending)
