@@ -159,10 +159,9 @@ class FastDataParallel(DataParallel):
         if len(devs) == 1:
             self.module.to(self.src_device_obj)
 
-    # NOTE [ Saving the wrapper ]
-    # A pickle or deepcopy of the wrapper holds what DataParallel's holds: the module, the Module
-    # dicts and the settings (device_ids, output_device, dim, the keyword-only ones). What serves
-    # the steps of one process (replica sets, signatures, workers, the step lock, gradients
+    # Saving the wrapper: a pickle or deepcopy holds what DataParallel's holds (the module, the
+    # Module dicts and the settings: device_ids, output_device, dim, the keyword-only ones). What
+    # serves the steps of one process (replica sets, signatures, workers, the step lock, gradients
     # pending under no_sync, counters, caches) is named in ``_RUNTIME``: ``_start`` makes it
     # afresh, ``__getstate__`` leaves it out and ``__setstate__`` calls ``_start``, so a copy
     # steps as a fresh wrapper of a copy of the module does, and the original is left as it was.
@@ -181,7 +180,7 @@ class FastDataParallel(DataParallel):
     )
 
     def _start(self) -> None:
-        """The per-process state, fresh (NOTE [ Saving the wrapper ]); registers the wrapper."""
+        """The per-process state, fresh (see ``_RUNTIME``); registers the wrapper."""
         self._drop_warned = False  # the rows-dropped warning given (once per wrapper)
         self._comm = _transports.new_stats()  # see comm_stats()
         self._replica_sets: dict[tuple[Any, ...], ReplicaSet] = {}

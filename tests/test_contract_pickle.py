@@ -1,5 +1,5 @@
 """The wrapper pickles and deep-copies as nn.DataParallel does: the module and the settings go,
-the per-process state is rebuilt on the next step (NOTE [ Saving the wrapper ])."""
+the per-process state is rebuilt on the next step (``FastDataParallel._RUNTIME``)."""
 
 import contextlib
 import copy
@@ -199,8 +199,8 @@ def test_parallel_criterion_wrapper_keeps_gather_output_false(backend, trip):
 
 
 def test_runtime_names_are_what_start_makes():
-    """NOTE [ Saving the wrapper ]: ``_RUNTIME`` names every attribute ``_start`` sets (plus
-    the direct-call compile cache), so none of them is ever saved."""
+    """``_RUNTIME`` names every attribute ``_start`` sets (plus the direct-call compile cache),
+    so none of them is ever saved."""
     fdp = FastDataParallel(nn.Linear(2, 2), ["cpu"] * 2)
     for name in FastDataParallel._RUNTIME:
         fdp.__dict__.pop(name, None)
