@@ -46,9 +46,32 @@ def test_quick_check_fits_its_budget_and_time_boxes_every_stage() -> None:
     budget = int(re.search(r"GPU_CHECK_BUDGET_S:-(\d+)", script).group(1))
     assert budget + 10 + 20 <= 9 * 60
     caps = re.findall(r"^run_stage ([\w-]+) (\d+) ", script, re.M)
-    assert {n for n, _ in caps} >= {"build", "probes", "bench-comm", "tests-core", "sanitize"}
+    assert {n for n, _ in caps} >= {"build", "probes", "zero", "bench-comm", "tests-core",
+                                    "sanitize"}  # fmt: skip
     assert all(int(c) <= budget for _, c in caps)
     assert "timeout --kill-after" in script
+
+
+def _quick(out: Path, **env: str) -> subprocess.CompletedProcess:
+    """The quick check's dry run into `out`, with `env` (GPU_CHECK_SKIP, GPU_CHECK_BUDGET_S)."""
+    return subprocess.run(
+        ["bash", str(Path(ROOT) / "tests" / "gpu.sh"), "quick", str(out)],
+        env=dict(os.environ, FASTDP_GPU_DRY_RUN="1", PYTHON=sys.executable, **env),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_quick_check_steps_zero_redundancy_optimizer_in_a_stage_of_its_own(tmp_path: Path) -> None:
+    """The zero stage: its probe (skipped without a GPU) and its test files, summarised."""
+    skip = "build probes bench-comm tests-core sanitize bench-steps doctor"
+    r = _quick(tmp_path, GPU_CHECK_SKIP=skip)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.search(r"^zero +ok ", summary, re.M), summary
+    assert "zero_steps" in summary and "pytest (zero stage)" in summary
+    recs = json.loads((tmp_path / "zero-probes.json").read_text())
+    assert [rec["probe"] for rec in recs] == ["zero_steps"]
+    assert re.search(r"\d+ passed, \d+ skipped", (tmp_path / "zero.log").read_text())
 
 
 def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
