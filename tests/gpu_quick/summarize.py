@@ -81,9 +81,22 @@ def test_lines(path, title="pytest"):
     out = [f"== {title}"]
     for m in re.finditer(r"^=* ?(\d+ (passed|failed|skipped|error)[^=]*)=*$", txt, re.M):
         out.append("  " + m.group(1).strip())
-    for name in sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", txt, re.M)))[:40]:
+    for name in sorted(set(failed_ids(txt)))[:40]:
         out.append("  FAILED " + name)
     return out
+
+
+# A failed test's id in pytest -v's progress lines (plain, and xdist's "[gw3] [ 10%] FAILED id")
+# and in the -rfE summary ("FAILED id - message"), so a stage killed before its summary keeps them.
+FAILED_LINE = re.compile(
+    r"^(?:(?P<a>\S+::.+?) (?:FAILED|ERROR)(?: +\[ *\d+%\])?"
+    r"|(?:\[gw\d+\] \[ *\d+%\] )?(?:FAILED|ERROR) (?P<b>\S+::.+?)(?: - .*)?)$",
+    re.M,
+)
+
+
+def failed_ids(txt):
+    return [m.group("a") or m.group("b") for m in FAILED_LINE.finditer(txt)]
 
 
 def bench_lines(comm, steps):
