@@ -12,13 +12,14 @@ reduce.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from torch.nn.parallel import comm as torch_comm
 
-__all__ = ["STAT_KEYS", "Transport", "count", "new_stats", "transport_for"]
+__all__ = ["NCCL_LOCK", "STAT_KEYS", "Transport", "count", "new_stats", "transport_for"]
 
 STAT_KEYS = (
     "buckets",
@@ -88,8 +89,20 @@ class _CpuTransport:
 # (in an autograd device thread, their default streams), which waited for nothing. So
 # ``order_reads`` makes each of those streams wait on an event recorded on the destination's
 # stream, and records each such gradient on the stream that reads it (its block is not reused
-# before the read). torch's NCCL calls hold CUDA's free mutex (``AutoNcclGroup``): two nodes on
-# different device threads never overlap them.
+# before the read). torch's NCCL calls take no lock of their own (``AutoNcclGroup`` only groups
+# them; the communicators are created on first use into a map without one; the GIL is released):
+# every one fastdp makes holds NOTE [ One NCCL caller at a time ]'s lock.
+#
+# NOTE [ One NCCL caller at a time ]
+# Two threads enqueueing collectives on the same GPUs at once (two callers of one wrapper, NOTE
+# [ Concurrent calls ]; bucket nodes of different destinations) could queue them in opposite
+# orders on two devices' streams, each kernel then waiting for a peer queued behind the other: a
+# hang. NCCL_LOCK, process-wide, is held around each NCCL call fastdp makes (the first creates
+# the communicators): enqueueing only, nothing under it waits for the GPU, and every device's
+# streams get the collectives in one order.
+NCCL_LOCK = threading.Lock()
+
+
 class _CudaTransport:
     name = "cuda"
 
@@ -118,7 +131,9 @@ class _CudaTransport:
             return
         # torch's broadcast views a complex source as real but not its out= tensors (a shape
         # error), and NCCL has no complex types: move complex flats as their real pairs.
-        torch_comm.broadcast(_as_real(src), out=[_as_real(d) for d in dsts])
+        out = [_as_real(d) for d in dsts]
+        with NCCL_LOCK:
+            torch_comm.broadcast(_as_real(src), out=out)
 
     @staticmethod
     def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
@@ -129,10 +144,11 @@ class _CudaTransport:
         ):
             return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
         if flats[0].dtype.is_complex:  # NCCL has no complex types; pairwise sums are the same
-            return torch.view_as_complex(
-                torch_comm.reduce_add([_as_real(f) for f in flats], dest.index)
-            )
-        return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+            reals = [_as_real(f) for f in flats]
+            with NCCL_LOCK:
+                return torch.view_as_complex(torch_comm.reduce_add(reals, dest.index))
+        with NCCL_LOCK:
+            return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
 
 
 def _as_real(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ streams and events faked; the GPU test is in tests/test_gpu_pool_and_streams.py.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from fastdp import _transports
@@ -70,3 +72,48 @@ def test_reduce_add_orders_the_reads_before_it_reduces(monkeypatch) -> None:
     )
     out = reduce_add([[torch.ones(2)], [torch.ones(2)]], torch.device("cpu"))
     assert seen == [torch.device("cpu")] and torch.equal(out[0], torch.full((2,), 2.0))
+
+
+class FakeFlat:
+    """A flat as the CUDA transport's reduce sees it (no GPU here)."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.layout, self.dtype = torch.device(device), torch.strided, torch.float32
+
+
+def test_two_threads_nccl_calls_never_overlap(monkeypatch) -> None:
+    """NOTE [ One NCCL caller at a time ]: broadcasts and reduces of the CUDA transport from two
+    threads at once reach torch's NCCL calls (faked) one at a time. Each fake call waits up to
+    0.5 s for the other thread's to join it, which only an unserialised caller can."""
+    guard, both_in = threading.Lock(), threading.Event()
+    inside, most, made = [0], [0], [0]
+
+    def nccl_call(*args, **kwargs):
+        with guard:
+            made[0] += 1
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            if inside[0] == 2:
+                both_in.set()
+        both_in.wait(timeout=0.5)
+        with guard:
+            inside[0] -= 1
+        return torch.zeros(1)
+
+    monkeypatch.setattr(_transports.torch_comm, "broadcast", nccl_call)
+    monkeypatch.setattr(_transports.torch_comm, "reduce_add", nccl_call)
+    cuda = _transports.transport_for([torch.device("cuda", 0)])
+    flats = [FakeFlat("cuda:0"), FakeFlat("cuda:1")]
+    for calls in (
+        [lambda: cuda.broadcast(torch.ones(4), [torch.empty(4)])] * 2,
+        [lambda: cuda.reduce(flats, torch.device("cuda", 0))] * 2,
+        [lambda: cuda.broadcast(torch.ones(4), [torch.empty(4)]),
+         lambda: cuda.reduce(flats, torch.device("cuda", 1))],
+    ):  # fmt: skip
+        both_in.clear()
+        threads = [threading.Thread(target=fn) for fn in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert made[0] == 6 and most[0] == 1
