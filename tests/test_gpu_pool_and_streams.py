@@ -92,7 +92,11 @@ KINDS = [
     ("two sparse levels (rows)", lambda: rnd(16, 64, 512), lambda t: t[:, :4, :256], 0),
     ("4-byte rows (span)", lambda: rnd(4096, 2), lambda t: t, 1),
     ("conj (resolved on the GPU)", lambda: rnd(64, 48, dtype=torch.cfloat), lambda t: t.conj(), 0),
-]
+    ("expanded rows, a mask (span)", lambda: rnd(1, 512), lambda t: t.expand(8, 512), 0),
+    ("overlapping rows, unfold (span)", lambda: rnd(1024), lambda t: t.unfold(0, 512, 1), 0),
+    ("expanded level far apart (rows of 1)", lambda: rnd(2, 100000),
+     lambda t: t[:, :512].unsqueeze(1).expand(2, 4, 512), 0),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("label,make,view,dim", KINDS, ids=[k[0] for k in KINDS])
