@@ -88,10 +88,10 @@ class _CpuTransport:
 # gradient; gradients on other GPUs are read on this thread's current streams of their devices
 # (in an autograd device thread, their default streams), which waited for nothing. So
 # ``order_reads`` makes each of those streams wait on an event recorded on the destination's
-# stream, and records each such gradient on the stream that reads it (its block is not reused
-# before the read). torch's NCCL calls take no lock of their own (``AutoNcclGroup`` only groups
-# them; the communicators are created on first use into a map without one; the GIL is released):
-# every one fastdp makes holds NOTE [ One NCCL caller at a time ]'s lock.
+# stream, and records each such gradient (a sparse one's indices and values) on the stream that
+# reads it (its blocks are not reused before the read). torch's NCCL calls take no lock of their
+# own (``AutoNcclGroup`` only groups them; communicators are created on first use into a map
+# without one; the GIL is released): NOTE [ One NCCL caller at a time ].
 #
 # NOTE [ One NCCL caller at a time ]
 # Two threads enqueueing collectives on the same GPUs at once (two callers of one wrapper, NOTE
@@ -120,8 +120,8 @@ class _CudaTransport:
             if t.device not in streams:
                 streams[t.device] = torch.cuda.current_stream(t.device)
                 streams[t.device].wait_event(ready)
-            if t.layout == torch.strided:
-                t.record_stream(streams[t.device])
+            for part in _dense_parts(t):
+                part.record_stream(streams[t.device])
 
     @staticmethod
     def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
@@ -149,6 +149,20 @@ class _CudaTransport:
                 return torch.view_as_complex(torch_comm.reduce_add(reals, dest.index))
         with NCCL_LOCK:
             return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+
+
+def _dense_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors whose blocks hold ``t``: itself, or a sparse tensor's indices and
+    values (what torch's autograd records for a sparse gradient)."""
+    if t.layout == torch.strided:
+        return [t]
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
 
 
 def _as_real(t: torch.Tensor) -> torch.Tensor:

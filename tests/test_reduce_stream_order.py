@@ -35,6 +35,23 @@ class FakeGrad:
         self.read_on.append(stream)
 
 
+class FakeSparse(FakeGrad):
+    """A sparse COO gradient: its blocks are its indices' and values'."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device, torch.sparse_coo)
+        self.indices, self.values = FakeGrad(device), FakeGrad(device)
+
+    def record_stream(self, stream) -> None:
+        raise AssertionError("torch cannot record a stream on a sparse tensor")
+
+    def _indices(self) -> FakeGrad:
+        return self.indices
+
+    def _values(self) -> FakeGrad:
+        return self.values
+
+
 def test_replicas_on_other_gpus_are_read_after_the_destinations_stream(monkeypatch) -> None:
     streams: dict[torch.device, FakeStream] = {}
 
@@ -47,7 +64,7 @@ def test_replicas_on_other_gpus_are_read_after_the_destinations_stream(monkeypat
     rows = [
         [FakeGrad("cuda:0"), FakeGrad("cuda:0")],
         [FakeGrad("cuda:1"), FakeGrad("cuda:1")],
-        [FakeGrad("cuda:2"), FakeGrad("cuda:2", torch.sparse_coo)],
+        [FakeGrad("cuda:2"), FakeSparse("cuda:2")],
     ]
     _transports.transport_for([dest]).order_reads(rows, dest)
     on_dest = streams[dest]
@@ -56,7 +73,9 @@ def test_replicas_on_other_gpus_are_read_after_the_destinations_stream(monkeypat
         assert event.on is on_dest
     assert on_dest.waited == [] and all(g.read_on == [] for g in rows[0])
     assert [g.read_on for g in rows[1]] == [[streams[torch.device("cuda", 1)]]] * 2
-    assert rows[2][0].read_on == [streams[torch.device("cuda", 2)]] and rows[2][1].read_on == []
+    on_2 = [streams[torch.device("cuda", 2)]]
+    assert rows[2][0].read_on == on_2  # a sparse gradient: its indices and values, as torch's
+    assert rows[2][1].indices.read_on == on_2 and rows[2][1].values.read_on == on_2
 
 
 def test_replicas_all_on_the_destination_need_no_event(monkeypatch) -> None:
