@@ -213,3 +213,29 @@ def test_a_step_under_a_side_stream_gives_the_plain_gradients() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_step_under_side_streams_on_two_gpus_gives_the_plain_gradients() -> None:
     assert side_stream_steps([0, 1]) < 1e-4
+
+
+def test_a_step_captured_after_a_default_stream_warm_up_replays_the_plain_gradients() -> None:
+    """NOTE [ Nodes follow the current stream ]: the bucket nodes linked in the eager warm-up on
+    the default stream are linked afresh under the capture's stream (else the captured backward
+    depends on the legacy stream and the capture fails)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).cuda()
+    ref = copy.deepcopy(model)
+    dp = FastDataParallel(model, device_ids=[0, 0], launch="inline")
+    static_in = torch.randn(32, 64, device="cuda")
+    for _ in range(3):  # the warm-up, on the default stream
+        model.zero_grad(set_to_none=True)
+        dp(static_in).square().sum().backward()
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dp(static_in).square().sum().backward()
+    fresh = torch.randn(32, 64, device="cuda")
+    static_in.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref(fresh).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)

@@ -1,13 +1,19 @@
-"""NOTE [ Streams of a reduce across devices ] (fastdp/_transports.py) on the CPU, with CUDA's
-streams and events faked; the GPU test is in tests/test_gpu_pool_and_streams.py."""
+"""NOTE [ Streams of a reduce across devices ] and NOTE [ One NCCL caller at a time ]
+(fastdp/_transports.py), NOTE [ Nodes follow the current stream ] (fastdp/_reducer.py) on the
+CPU, with CUDA's streams, events and NCCL calls faked; the GPU tests are in
+tests/test_gpu_pool_and_streams.py."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
+import pytest
 import torch
+from torch import nn
 
-from fastdp import _transports
+import fastdp._reducer
+from fastdp import FastDataParallel, _backend, _transports
 from fastdp._reducer import reduce_add
 
 
@@ -136,3 +142,33 @@ def test_two_threads_nccl_calls_never_overlap(monkeypatch) -> None:
         for t in threads:
             t.join()
     assert made[0] == 6 and most[0] == 1
+
+
+@pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
+def test_the_nodes_are_linked_afresh_when_the_destinations_stream_changes(monkeypatch) -> None:
+    """NOTE [ Nodes follow the current stream ], the current stream faked on CPU replicas: the
+    extension's nodes serve every step under one stream, a step under another gets new ones,
+    and the gradients stay the plain module's."""
+    stream, links = ["default"], []
+    link_bucket = fastdp._reducer.link_bucket
+    monkeypatch.setattr(fastdp._reducer, "_stream_of", lambda device: stream[0], raising=False)
+    monkeypatch.setattr(
+        fastdp._reducer, "link_bucket", lambda *a, **k: links.append(1) or link_bucket(*a, **k)
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(net)
+    with _backend.use_extension(True):
+        dp = FastDataParallel(net, ["cpu"] * 2)
+        per_step = []
+        for s in ("default", "default", "side", "side", "default"):
+            stream[0] = s
+            x = torch.randn(6, 4)
+            for m, model in ((dp, net), (ref, ref)):
+                model.zero_grad(set_to_none=True)
+                m(x).square().sum().backward()
+            for p, q in zip(net.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            per_step.append(len(links))
+    n = per_step[0]  # one link per bucket, made with the replicas in the first step
+    assert n > 0 and per_step == [n, n, 2 * n, 2 * n, 3 * n]
