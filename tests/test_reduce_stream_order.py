@@ -1,7 +1,7 @@
-"""NOTE [ Streams of a reduce across devices ] and NOTE [ One NCCL caller at a time ]
-(fastdp/_transports.py), NOTE [ Nodes follow the current stream ] (fastdp/_reducer.py) on the
-CPU, with CUDA's streams, events and NCCL calls faked; the GPU tests are in
-tests/test_gpu_pool_and_streams.py."""
+"""The streams and NCCL calls of a reduce on the CPU, CUDA's streams, events and NCCL calls
+faked: NOTE [ Streams of a reduce across devices ] and NOTE [ One NCCL caller at a time ] in
+fastdp/_transports.py, NOTE [ Nodes follow the current stream ] in fastdp/_reducer.py. The GPU
+tests are in tests/test_gpu_pool_and_streams.py."""
 
 from __future__ import annotations
 
