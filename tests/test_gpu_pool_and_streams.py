@@ -76,6 +76,15 @@ def test_a_gather_to_the_host_under_capture_raises_the_clear_error() -> None:
             comm.gather([a, a], 0, -1)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_gather_across_gpus_under_capture_raises_the_clear_error() -> None:
+    a, b = torch.randn(8, 4, device="cuda:0"), torch.randn(8, 4, device="cuda:1")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="not captured in CUDA graphs"):
+        with torch.cuda.graph(g):
+            comm.gather([a, b], 0, 0)
+
+
 # -------------------------------------------------------- every copy kind, in stream order
 def cl(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda").contiguous(memory_format=torch.channels_last)
