@@ -49,7 +49,9 @@ def test_quick_check_fits_its_budget_and_time_boxes_every_stage() -> None:
     assert {n for n, _ in caps} >= {"build", "probes", "zero", "bench-comm", "tests-core",
                                     "sanitize"}  # fmt: skip
     assert all(int(c) <= budget for _, c in caps)
-    assert "timeout --kill-after" in script
+    stages = (Path(ROOT) / "tests" / "gpu_quick" / "stages.sh").read_text()
+    assert "source tests/gpu_quick/stages.sh" in script and "setsid" in stages
+    assert "kill -KILL --" in stages and "timeout --kill-after" in stages  # the fallback
 
 
 def _quick(out: Path, **env: str) -> subprocess.CompletedProcess:
