@@ -59,8 +59,11 @@ HostCopyRoute route_host_copy(const std::vector<int64_t>& sizes,
   }
   p.width = width;
   if (levels.empty()) return p;  // kDense
+  // The innermost level is a 2-D copy's pitch only where its source rows are apart: a stride of 0
+  // (an expanded level) or below the width (overlapping rows, unfold) is no pitch a 2-D copy takes.
   const Level& l0 = levels[0];
-  const bool fits = l0.s <= max_pitch && l0.d <= max_pitch;
+  const bool pitched = l0.s >= width;
+  const bool fits = pitched && l0.s <= max_pitch && l0.d <= max_pitch;
   const bool wide = width >= kMin2DRowBytes;
   if (levels.size() == 1 && fits && wide) {
     p.kind = HostCopyRoute::k2D;
@@ -69,12 +72,12 @@ HostCopyRoute route_host_copy(const std::vector<int64_t>& sizes,
     p.dpitch = l0.d;
     return p;
   }
-  if ((!wide || levels.size() > 1) && span <= kMaxSpanRatio * nbytes) {
+  if ((!wide || !pitched || levels.size() > 1) && span <= kMaxSpanRatio * nbytes) {
     p.kind = HostCopyRoute::kSpan;
     return p;
   }
-  // Rows: a 2-D copy of the innermost level per outer index; rows one by one where its pitch is
-  // above the device's maximum.
+  // Rows: a 2-D copy of the innermost level per outer index; rows one by one (height 1) where it
+  // is no pitch or one above the device's maximum.
   const size_t first_outer = fits ? 1 : 0;
   if (fits) {
     p.height = l0.size;

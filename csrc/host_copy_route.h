@@ -19,11 +19,13 @@ constexpr int64_t kMaxSpanRatio = 4;
 // (`dst_strides`), each way an asynchronous DMA on the stream that reads it, so a source still
 // being written on that stream is read after the write:
 //   kDense  one copy of `width` bytes;
-//   k2D     one 2-D copy: `height` rows of `width` bytes, `spitch` and `dpitch` apart;
+//   k2D     one 2-D copy: `height` rows of `width` bytes, `spitch` and `dpitch` apart (both at
+//           least `width`: a source level of stride 0 or overlapping rows is never a pitch);
 //   kRows   per index of the `outer` levels, one 2-D copy as k2D (or, `height` == 1, a plain copy
-//           of `width` bytes): for pitches above `max_pitch` or a span too wide;
+//           of `width` bytes): for pitches above `max_pitch`, no pitch, or a span too wide;
 //   kSpan   the `span` source bytes (from the chunk's first element) in one copy to a device
-//           scratch, then a device copy into the region: narrow rows, several strided levels.
+//           scratch, then a device copy into the region: narrow rows, several strided levels,
+//           expanded or overlapping rows (the span is then at most the chunk's bytes).
 struct HostCopyRoute {
   enum Kind { kDense, k2D, kRows, kSpan } kind = kDense;
   int64_t width = 0, height = 1, spitch = 0, dpitch = 0;  // bytes

@@ -372,6 +372,11 @@ def link_bucket(
     return next((t.grad_fn for t in outs if t.grad_fn is not None), None)
 
 
+def _stream_of(device: torch.device) -> Any:
+    """The current stream of ``device`` that a node made now would run on (None: not CUDA)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
 _VERSION = operator.attrgetter("_version")
 _HOOKS = operator.attrgetter("_backward_hooks")
 _POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
@@ -487,6 +492,7 @@ class Reducer:
         self._probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
         self._probe_at = 0  # where in a replica's leaves to look for the probe: see watch()
         self._marks: tuple = ()  # grad_marks() of the sources when the cycle started
+        self._stream: Any = None  # the destination's current stream at the last link
 
     def leaves(self) -> list[list[torch.Tensor]] | None:
         """The replicas' leaves of this ``no_sync`` cycle (per replica, one per source), None
@@ -505,6 +511,7 @@ class Reducer:
         one per source) themselves."""
         self._pending = Pending(False) if pending is None else pending
         self._probes = []
+        self._stream = _stream_of(self._dest)
         if self._per_bucket[0] is not tensors:  # per tensor set, not per step
             self._per_bucket = (
                 tensors,
@@ -549,7 +556,10 @@ class Reducer:
             self._pending.value = False
             return
         early = not any(map(_POST_HOOKS, self._sources))
-        if self._native:  # the nodes made by link() serve every step
+        if self._native and _stream_of(self._dest) != self._stream:
+            self._early = early  # NOTE [ Nodes follow the current stream ]
+            self.link(tensors, Pending(True))
+        elif self._native:  # the nodes made by link() serve every step
             self._pending.value = True
             if early != self._early:
                 self._early = early
@@ -557,6 +567,15 @@ class Reducer:
         else:
             self._early = early
             self.link(tensors, Pending(True))
+
+    # NOTE [ Nodes follow the current stream ]
+    # Autograd runs a node on the stream that was current on its device when the node was made
+    # (its outputs' metadata), after every incoming gradient's stream. The extension's nodes are
+    # made once per tensor set, so a later step under another current stream (a side stream, a
+    # graph capture after an eager warm-up) would reduce on the first step's stream, serialised
+    # behind it, or under capture depend on the legacy stream, which the capture refuses. So
+    # ``arm`` compares the destination's current stream with the last link's, once a step, and
+    # links afresh when it changed (the Python nodes are linked every step anyway).
 
     # The late turn: a post-accumulate-grad hook acts on ``.grad`` itself, so it sees how many
     # times and in which order the nodes accumulate. A backward may reach a node more than once

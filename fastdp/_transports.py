@@ -12,13 +12,14 @@ reduce.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from torch.nn.parallel import comm as torch_comm
 
-__all__ = ["STAT_KEYS", "Transport", "count", "new_stats", "transport_for"]
+__all__ = ["NCCL_LOCK", "STAT_KEYS", "Transport", "count", "new_stats", "transport_for"]
 
 STAT_KEYS = (
     "buckets",
@@ -87,9 +88,21 @@ class _CpuTransport:
 # gradient; gradients on other GPUs are read on this thread's current streams of their devices
 # (in an autograd device thread, their default streams), which waited for nothing. So
 # ``order_reads`` makes each of those streams wait on an event recorded on the destination's
-# stream, and records each such gradient on the stream that reads it (its block is not reused
-# before the read). torch's NCCL calls hold CUDA's free mutex (``AutoNcclGroup``): two nodes on
-# different device threads never overlap them.
+# stream, and records each such gradient (a sparse one's indices and values) on the stream that
+# reads it (its blocks are not reused before the read). torch's NCCL calls take no lock of their
+# own (``AutoNcclGroup`` only groups them; communicators are created on first use into a map
+# without one; the GIL is released): NOTE [ One NCCL caller at a time ].
+#
+# NOTE [ One NCCL caller at a time ]
+# Two threads enqueueing collectives on the same GPUs at once (two callers of one wrapper, NOTE
+# [ Concurrent calls ]; bucket nodes of different destinations) could queue them in opposite
+# orders on two devices' streams, each kernel then waiting for a peer queued behind the other: a
+# hang. NCCL_LOCK, process-wide, is held around each NCCL call fastdp makes (the first creates
+# the communicators): enqueueing only, nothing under it waits for the GPU, and every device's
+# streams get the collectives in one order.
+NCCL_LOCK = threading.Lock()
+
+
 class _CudaTransport:
     name = "cuda"
 
@@ -107,8 +120,8 @@ class _CudaTransport:
             if t.device not in streams:
                 streams[t.device] = torch.cuda.current_stream(t.device)
                 streams[t.device].wait_event(ready)
-            if t.layout == torch.strided:
-                t.record_stream(streams[t.device])
+            for part in _dense_parts(t):
+                part.record_stream(streams[t.device])
 
     @staticmethod
     def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
@@ -118,7 +131,9 @@ class _CudaTransport:
             return
         # torch's broadcast views a complex source as real but not its out= tensors (a shape
         # error), and NCCL has no complex types: move complex flats as their real pairs.
-        torch_comm.broadcast(_as_real(src), out=[_as_real(d) for d in dsts])
+        out = [_as_real(d) for d in dsts]
+        with NCCL_LOCK:
+            torch_comm.broadcast(_as_real(src), out=out)
 
     @staticmethod
     def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
@@ -129,10 +144,25 @@ class _CudaTransport:
         ):
             return _CpuTransport.reduce(flats, dest)  # reduce_add needs an input on dest
         if flats[0].dtype.is_complex:  # NCCL has no complex types; pairwise sums are the same
-            return torch.view_as_complex(
-                torch_comm.reduce_add([_as_real(f) for f in flats], dest.index)
-            )
-        return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+            reals = [_as_real(f) for f in flats]
+            with NCCL_LOCK:
+                return torch.view_as_complex(torch_comm.reduce_add(reals, dest.index))
+        with NCCL_LOCK:
+            return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
+
+
+def _dense_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors whose blocks hold ``t``: itself, or a sparse tensor's indices and
+    values (what torch's autograd records for a sparse gradient)."""
+    if t.layout == torch.strided:
+        return [t]
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
 
 
 def _as_real(t: torch.Tensor) -> torch.Tensor:

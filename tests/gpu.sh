@@ -4,9 +4,10 @@
 #   bash tests/gpu.sh STAGE [OUTDIR]      STAGE: build | check | sanitize | bench | all | quick
 #
 #   quick     ONE device command under 9 minutes (tests/gpu_quick.sh): build, the probes of
-#             every CUDA path, the key bench rows, the CUDA paths' test files, compute-sanitizer
-#             on a small subset, each stage time-boxed; a summary printed last. For a short
-#             GPU loan; the four stages below are the full runbook (18-22 minutes).
+#             every CUDA path, ZeroRedundancyOptimizer's, the key bench rows, the CUDA paths'
+#             test files, compute-sanitizer on a small subset, each stage time-boxed; a summary
+#             printed last. For a short GPU loan; the four stages below are the full runbook
+#             (18-22 minutes).
 #
 #   build     pip install --no-build-isolation --no-deps -e . against the machine's own torch
 #             (never a build carried from elsewhere), then python -m fastdp.info; fails unless

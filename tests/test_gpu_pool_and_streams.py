@@ -76,6 +76,15 @@ def test_a_gather_to_the_host_under_capture_raises_the_clear_error() -> None:
             comm.gather([a, a], 0, -1)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_gather_across_gpus_under_capture_raises_the_clear_error() -> None:
+    a, b = torch.randn(8, 4, device="cuda:0"), torch.randn(8, 4, device="cuda:1")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="not captured in CUDA graphs"):
+        with torch.cuda.graph(g):
+            comm.gather([a, b], 0, 0)
+
+
 # -------------------------------------------------------- every copy kind, in stream order
 def cl(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda").contiguous(memory_format=torch.channels_last)
@@ -92,7 +101,11 @@ KINDS = [
     ("two sparse levels (rows)", lambda: rnd(16, 64, 512), lambda t: t[:, :4, :256], 0),
     ("4-byte rows (span)", lambda: rnd(4096, 2), lambda t: t, 1),
     ("conj (resolved on the GPU)", lambda: rnd(64, 48, dtype=torch.cfloat), lambda t: t.conj(), 0),
-]
+    ("expanded rows, a mask (span)", lambda: rnd(1, 512), lambda t: t.expand(8, 512), 0),
+    ("overlapping rows, unfold (span)", lambda: rnd(1024), lambda t: t.unfold(0, 512, 1), 0),
+    ("expanded level far apart (rows of 1)", lambda: rnd(2, 100000),
+     lambda t: t[:, :512].unsqueeze(1).expand(2, 4, 512), 0),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("label,make,view,dim", KINDS, ids=[k[0] for k in KINDS])
@@ -209,3 +222,29 @@ def test_a_step_under_a_side_stream_gives_the_plain_gradients() -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_step_under_side_streams_on_two_gpus_gives_the_plain_gradients() -> None:
     assert side_stream_steps([0, 1]) < 1e-4
+
+
+def test_a_step_captured_after_a_default_stream_warm_up_replays_the_plain_gradients() -> None:
+    """NOTE [ Nodes follow the current stream ]: the bucket nodes linked in the eager warm-up on
+    the default stream are linked afresh under the capture's stream (else the captured backward
+    depends on the legacy stream and the capture fails)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).cuda()
+    ref = copy.deepcopy(model)
+    dp = FastDataParallel(model, device_ids=[0, 0], launch="inline")
+    static_in = torch.randn(32, 64, device="cuda")
+    for _ in range(3):  # the warm-up, on the default stream
+        model.zero_grad(set_to_none=True)
+        dp(static_in).square().sum().backward()
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dp(static_in).square().sum().backward()
+    fresh = torch.randn(32, 64, device="cuda")
+    static_in.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref(fresh).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)

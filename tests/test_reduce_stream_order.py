@@ -1,11 +1,19 @@
-"""NOTE [ Streams of a reduce across devices ] (fastdp/_transports.py) on the CPU, with CUDA's
-streams and events faked; the GPU test is in tests/test_gpu_pool_and_streams.py."""
+"""The streams and NCCL calls of a reduce on the CPU, CUDA's streams, events and NCCL calls
+faked: NOTE [ Streams of a reduce across devices ] and NOTE [ One NCCL caller at a time ] in
+fastdp/_transports.py, NOTE [ Nodes follow the current stream ] in fastdp/_reducer.py. The GPU
+tests are in tests/test_gpu_pool_and_streams.py."""
 
 from __future__ import annotations
 
-import torch
+import copy
+import threading
 
-from fastdp import _transports
+import pytest
+import torch
+from torch import nn
+
+import fastdp._reducer
+from fastdp import FastDataParallel, _backend, _transports
 from fastdp._reducer import reduce_add
 
 
@@ -33,6 +41,23 @@ class FakeGrad:
         self.read_on.append(stream)
 
 
+class FakeSparse(FakeGrad):
+    """A sparse COO gradient: its blocks are its indices' and values'."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device, torch.sparse_coo)
+        self.indices, self.values = FakeGrad(device), FakeGrad(device)
+
+    def record_stream(self, stream) -> None:
+        raise AssertionError("torch cannot record a stream on a sparse tensor")
+
+    def _indices(self) -> FakeGrad:
+        return self.indices
+
+    def _values(self) -> FakeGrad:
+        return self.values
+
+
 def test_replicas_on_other_gpus_are_read_after_the_destinations_stream(monkeypatch) -> None:
     streams: dict[torch.device, FakeStream] = {}
 
@@ -45,7 +70,7 @@ def test_replicas_on_other_gpus_are_read_after_the_destinations_stream(monkeypat
     rows = [
         [FakeGrad("cuda:0"), FakeGrad("cuda:0")],
         [FakeGrad("cuda:1"), FakeGrad("cuda:1")],
-        [FakeGrad("cuda:2"), FakeGrad("cuda:2", torch.sparse_coo)],
+        [FakeGrad("cuda:2"), FakeSparse("cuda:2")],
     ]
     _transports.transport_for([dest]).order_reads(rows, dest)
     on_dest = streams[dest]
@@ -54,7 +79,9 @@ def test_replicas_on_other_gpus_are_read_after_the_destinations_stream(monkeypat
         assert event.on is on_dest
     assert on_dest.waited == [] and all(g.read_on == [] for g in rows[0])
     assert [g.read_on for g in rows[1]] == [[streams[torch.device("cuda", 1)]]] * 2
-    assert rows[2][0].read_on == [streams[torch.device("cuda", 2)]] and rows[2][1].read_on == []
+    on_2 = [streams[torch.device("cuda", 2)]]
+    assert rows[2][0].read_on == on_2  # a sparse gradient: its indices and values, as torch's
+    assert rows[2][1].indices.read_on == on_2 and rows[2][1].values.read_on == on_2
 
 
 def test_replicas_all_on_the_destination_need_no_event(monkeypatch) -> None:
@@ -70,3 +97,78 @@ def test_reduce_add_orders_the_reads_before_it_reduces(monkeypatch) -> None:
     )
     out = reduce_add([[torch.ones(2)], [torch.ones(2)]], torch.device("cpu"))
     assert seen == [torch.device("cpu")] and torch.equal(out[0], torch.full((2,), 2.0))
+
+
+class FakeFlat:
+    """A flat as the CUDA transport's reduce sees it (no GPU here)."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.layout, self.dtype = torch.device(device), torch.strided, torch.float32
+
+
+def test_two_threads_nccl_calls_never_overlap(monkeypatch) -> None:
+    """NOTE [ One NCCL caller at a time ]: broadcasts and reduces of the CUDA transport from two
+    threads at once reach torch's NCCL calls (faked) one at a time. Each fake call waits up to
+    0.5 s for the other thread's to join it, which only an unserialised caller can."""
+    guard, both_in = threading.Lock(), threading.Event()
+    inside, most, made = [0], [0], [0]
+
+    def nccl_call(*args, **kwargs):
+        with guard:
+            made[0] += 1
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            if inside[0] == 2:
+                both_in.set()
+        both_in.wait(timeout=0.5)
+        with guard:
+            inside[0] -= 1
+        return torch.zeros(1)
+
+    monkeypatch.setattr(_transports.torch_comm, "broadcast", nccl_call)
+    monkeypatch.setattr(_transports.torch_comm, "reduce_add", nccl_call)
+    cuda = _transports.transport_for([torch.device("cuda", 0)])
+    flats = [FakeFlat("cuda:0"), FakeFlat("cuda:1")]
+    for calls in (
+        [lambda: cuda.broadcast(torch.ones(4), [torch.empty(4)])] * 2,
+        [lambda: cuda.reduce(flats, torch.device("cuda", 0))] * 2,
+        [lambda: cuda.broadcast(torch.ones(4), [torch.empty(4)]),
+         lambda: cuda.reduce(flats, torch.device("cuda", 1))],
+    ):  # fmt: skip
+        both_in.clear()
+        threads = [threading.Thread(target=fn) for fn in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert made[0] == 6 and most[0] == 1
+
+
+@pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
+def test_the_nodes_are_linked_afresh_when_the_destinations_stream_changes(monkeypatch) -> None:
+    """NOTE [ Nodes follow the current stream ], the current stream faked on CPU replicas: the
+    extension's nodes serve every step under one stream, a step under another gets new ones,
+    and the gradients stay the plain module's."""
+    stream, links = ["default"], []
+    link_bucket = fastdp._reducer.link_bucket
+    monkeypatch.setattr(fastdp._reducer, "_stream_of", lambda device: stream[0], raising=False)
+    monkeypatch.setattr(
+        fastdp._reducer, "link_bucket", lambda *a, **k: links.append(1) or link_bucket(*a, **k)
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(net)
+    with _backend.use_extension(True):
+        dp = FastDataParallel(net, ["cpu"] * 2)
+        per_step = []
+        for s in ("default", "default", "side", "side", "default"):
+            stream[0] = s
+            x = torch.randn(6, 4)
+            for m, model in ((dp, net), (ref, ref)):
+                model.zero_grad(set_to_none=True)
+                m(x).square().sum().backward()
+            for p, q in zip(net.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            per_step.append(len(links))
+    n = per_step[0]  # one link per bucket, made with the replicas in the first step
+    assert n > 0 and per_step == [n, n, 2 * n, 2 * n, 3 * n]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastdp import _backend
@@ -38,29 +39,39 @@ def route_of(chunk: torch.Tensor, max_pitch: int = PITCH) -> dict:
     )  # fmt: skip
 
 
+def raw(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage's bytes (a copy)."""
+    n = storage.nbytes()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,)).clone()
+
+
 def replay(chunk: torch.Tensor, route: dict, max_pitch: int = PITCH) -> torch.Tensor:
     """The destination's bytes after the route's copies (span: its source bytes, then the device
     copy, which is torch's)."""
     item = chunk.element_size()
     src = chunk.untyped_storage()
     base = chunk.storage_offset() * item
-    host = torch.frombuffer(bytearray(bytes(src)), dtype=torch.uint8)
+    host = raw(src)
     nbytes = chunk.numel() * item
     dst = torch.zeros(nbytes, dtype=torch.uint8)
+    if nbytes == 0:  # scatter_pinned copies nothing
+        return dst
     if route["kind"] == "span":
         assert base + route["span"] <= src.nbytes() and route["span"] <= 4 * nbytes
         last = sum((n - 1) * s for n, s in zip(chunk.shape, chunk.stride())) * item + item
         assert route["span"] == last  # covers the chunk's last byte, and no more
         out = torch.empty_strided(chunk.shape, dst_strides(chunk), dtype=chunk.dtype)
         out.copy_(chunk)
-        return torch.frombuffer(bytearray(bytes(out.untyped_storage())), dtype=torch.uint8)
+        return raw(out.untyped_storage())
     w, h, sp, dp = route["width"], route["height"], route["spitch"], route["dpitch"]
+    if h > 1:  # a 2-D copy: cudaMemcpy2D refuses a pitch below the width or above the maximum
+        assert route["kind"] in ("2d", "rows") and w <= sp <= max_pitch and w <= dp <= max_pitch
     outer = route["outer_sizes"]
     for idx in itertools.product(*[range(n) for n in outer]):
         so = base + sum(i * s for i, s in zip(idx, route["outer_sstrides"]))
         do = sum(i * s for i, s in zip(idx, route["outer_dstrides"]))
-        for r in range(h if sp else 1):
-            assert sp <= max_pitch and dp <= max_pitch
+        for r in range(h):  # height 1: one plain copy of `width` bytes
+            assert so + r * sp + w <= len(host) and do + r * dp + w <= nbytes
             dst[do + r * dp : do + r * dp + w] = host[so + r * sp : so + r * sp + w]
     return dst
 
@@ -68,7 +79,7 @@ def replay(chunk: torch.Tensor, route: dict, max_pitch: int = PITCH) -> torch.Te
 def expected(chunk: torch.Tensor) -> torch.Tensor:
     out = torch.empty_strided(chunk.shape, dst_strides(chunk), dtype=chunk.dtype)
     out.copy_(chunk)
-    return torch.frombuffer(bytearray(bytes(out.untyped_storage())), dtype=torch.uint8)
+    return raw(out.untyped_storage())
 
 
 def cl(*shape: int) -> torch.Tensor:
@@ -90,6 +101,13 @@ CASES = [
     ("transposed, wide rows", lambda: torch.randn(1024, 256).t(), 0, 2, "2d"),
     ("complex, narrow rows", lambda: torch.randn(8, 16, dtype=torch.cfloat), 1, 2,
      "span"),
+    ("expanded rows (a mask)", lambda: torch.randn(1, 512).expand(8, 512), 0, 2, "span"),
+    ("expanded rows, 3-D", lambda: torch.randn(1, 1, 512).expand(4, 3, 512), 0, 2, "span"),
+    ("overlapping rows (unfold)", lambda: torch.randn(1024).unfold(0, 512, 1), 0, 2, "span"),
+    ("expanded level far apart", lambda: torch.randn(2, 100000)[:, :512].unsqueeze(1)
+     .expand(2, 4, 512), 1, 2, "rows"),
+    ("overlapping level far apart", lambda: torch.randn(2, 100000)[:, :1024].unfold(1, 512, 64),
+     1, 2, "rows"),
 ]  # fmt: skip
 
 
@@ -123,6 +141,16 @@ def test_a_pitch_above_the_devices_maximum_is_copied_row_by_row() -> None:
     assert ext._host_copy_route(*args, 1 << 32)["kind"] == "2d"  # a device that allows it
 
 
+def test_expanded_and_overlapping_rows_are_never_a_2d_pitch() -> None:
+    """A (4, 512) chunk of strides (0, 1) (an expanded mask) or (1, 1) (a sliding window): rows
+    that repeat or overlap in the source are no pitch; the span covers them in one copy."""
+    for strides in ([0, 1], [1, 1], [256, 1]):
+        route = ext._host_copy_route([4, 512], strides, [512, 1], 4, PITCH)
+        assert route["kind"] == "span" and route["span"] == (3 * strides[0] + 512) * 4, route
+    far = ext._host_copy_route([2, 4, 512], [1 << 20, 0, 1], [2048, 512, 1], 4, PITCH)
+    assert far["kind"] == "rows" and far["height"] == 1 and far["outer_sizes"] == [2, 4], far
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 6), min_size=1, max_size=4),
@@ -139,6 +167,54 @@ def test_every_route_moves_the_chunks_bytes(shape, data) -> None:
         pitch = data.draw(st.sampled_from([PITCH, 64]))
         route = route_of(chunk, max_pitch=pitch)
         assert torch.equal(replay(chunk, route, pitch), expected(chunk)), route
+
+
+def strided_view(data: st.DataObject) -> torch.Tensor:
+    """A random view of a pinned-like source: levels expanded (stride 0), unfolded (overlapping
+    or with gaps), permuted, sliced with steps, of size 0; channels_last; rows narrow and wide."""
+    dtype = data.draw(st.sampled_from([torch.uint8, torch.int16, torch.float32, torch.float64]))
+    shape = data.draw(st.lists(st.sampled_from([1, 2, 3, 5, 0]), min_size=0, max_size=3))
+    shape.append(data.draw(st.sampled_from([64, 130, 1, 2, 3, 6, 80])))
+    v = torch.arange(math.prod(shape), dtype=torch.float64).remainder(32749).to(dtype).view(shape)
+    if v.dim() == 4 and data.draw(st.booleans()):
+        v = v.contiguous(memory_format=torch.channels_last)
+    for op in data.draw(st.lists(st.sampled_from(["expand", "unfold", "permute", "slice"]),
+                                 max_size=3)):  # fmt: skip
+        d = data.draw(st.integers(0, v.dim() - 1))
+        if op == "expand" and v.dim() < 6:
+            v = v.unsqueeze(d).expand(*v.shape[:d], data.draw(st.integers(0, 5)), *v.shape[d:])
+        elif op == "expand":
+            v = v.expand(*[data.draw(st.integers(0, 3)) if n == 1 else n for n in v.shape])
+        elif op == "unfold" and v.shape[d] > 0:
+            n = v.shape[d]
+            win = data.draw(st.integers(1, n).map(lambda k, n=n: n + 1 - k))  # wide first
+            v = v.unfold(d, win, data.draw(st.integers(1, win + 1)))
+        elif op == "permute":
+            v = v.permute(data.draw(st.permutations(range(v.dim()))))
+        elif op == "slice":
+            start = data.draw(st.integers(0, v.shape[d]))
+            stop = data.draw(st.integers(start, v.shape[d]))
+            v = v[(slice(None),) * d + (slice(start, stop, data.draw(st.integers(1, 3))),)]
+    return v
+
+
+@settings(
+    max_examples=int(os.environ.get("FASTDP_HYPOTHESIS_EXAMPLES", "400")),
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_the_route_of_any_strided_pinned_view_replays_torchs_copy(data) -> None:
+    """Every chunk of a random view: the route's DMAs (a 2-D copy's pitches at least its width and
+    within the device's maximum) move the bytes torch's copy does."""
+    view = strided_view(data)
+    dim = data.draw(st.integers(0, view.dim() - 1))
+    pitch = data.draw(st.sampled_from([PITCH, 64, 1024]))
+    for chunk in view.chunk(data.draw(st.integers(1, 4)), dim):
+        route = route_of(chunk, max_pitch=pitch)
+        assert torch.equal(replay(chunk, route, pitch), expected(chunk)), (chunk.stride(), route)
 
 
 # ------------------------------------------------------------------ pageable staging rows

@@ -30,8 +30,12 @@ ROWS_FILES = [
     "csrc/cuda/gather*",
     "csrc/host_copy_route.*",
 ]
-# The host copy route's names that the bindings expose to its tests.
-ROWS_BOUND = {"csrc/bindings.cpp": {"StageRows", "stage_rows"}}
+# The host copy route's names that the bindings expose to its tests; torch's name of a sparse CSC
+# tensor's row indices.
+ROWS_BOUND = {
+    "csrc/bindings.cpp": {"StageRows", "stage_rows"},
+    "fastdp/_transports.py": {"row_indices"},
+}
 ROW_WORDS = {"row", "rows"}
 # Where the StepPlan is made, carried and executed (and ``info()``'s name for its stage), and its
 # names; the planner module's name is allowed wherever it is imported.

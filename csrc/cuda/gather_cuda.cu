@@ -48,6 +48,10 @@ void gather_to_device(const at::Tensor& out, const std::vector<at::Tensor>& tens
     srcs[k] = readable(t, /*need_dense=*/src_device != device);
     if (src_device != device) {
       const c10::cuda::CUDAStream src_stream = c10::cuda::getCurrentCUDAStream(src_device);
+      TORCH_CHECK(!stream_capturing(stream) && !stream_capturing(src_stream),
+                  "fastdp.gather_into: copies between GPUs (cuda:", static_cast<int>(src_device),
+                  " -> cuda:", static_cast<int>(device), ") are not captured in CUDA graphs by ",
+                  "fastdp: capture on one device, or set FASTDP_DISABLE_EXT=1 for torch's copies");
       const bool straight = same_dense_layout(srcs[k], slices[k]);
       at::Tensor landing = straight ? slices[k]
                                     : at::empty_strided(srcs[k].sizes(), srcs[k].strides(),

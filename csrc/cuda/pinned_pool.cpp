@@ -2,6 +2,7 @@
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -35,9 +36,15 @@ size_t capacity_from_env() {
   return static_cast<size_t>(mb) * kMiB;
 }
 
+// Every call under a relaxed capture mode, as torch's host allocator makes them: a capture in
+// global mode (on this thread or another) forbids cudaHostAlloc and event queries and waits
+// otherwise. None of them is part of a graph: a capturing acquire allocates a block the graph
+// holds and queries nothing (NOTE [ Pinned blocks and graphs ]).
 struct CudaHostBackend {
   using Event = at::cuda::CUDAEvent;
+  using Relaxed = c10::cuda::CUDAStreamCaptureModeGuard;
   void* alloc(size_t bytes) {
+    Relaxed relaxed{cudaStreamCaptureModeRelaxed};
     void* ptr = nullptr;
     // Portable: any device's copy may use the block.
     const cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
@@ -49,8 +56,14 @@ struct CudaHostBackend {
     return ptr;
   }
   void free(void* p) { C10_CUDA_CHECK_WARN(cudaFreeHost(p)); }
-  bool done(Event& e) { return e.query(); }
-  void wait(Event& e) { e.synchronize(); }
+  bool done(Event& e) {
+    Relaxed relaxed{cudaStreamCaptureModeRelaxed};
+    return e.query();
+  }
+  void wait(Event& e) {
+    Relaxed relaxed{cudaStreamCaptureModeRelaxed};
+    e.synchronize();
+  }
 };
 
 using Pool = BlockPool<CudaHostBackend>;

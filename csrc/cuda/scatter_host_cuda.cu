@@ -53,14 +53,18 @@ int64_t max_pitch(c10::DeviceIndex device) {
   return known[device] = pitch;
 }
 
+// The rows of a k2D or kRows route from source byte `so` to destination byte `d0`: one 2-D copy of
+// `height` rows, or (height 1) a plain copy of `width` bytes.
 void h2d(char* dst, const char* src, const HostCopyRoute& p, int64_t so, int64_t d0,
          const c10::cuda::CUDAStream& stream) {
-  if (p.spitch == 0) {
+  if (p.height == 1) {
     C10_CUDA_CHECK(cudaMemcpyAsync(dst + d0, src + so, p.width, cudaMemcpyHostToDevice, stream));
-  } else {
-    C10_CUDA_CHECK(cudaMemcpy2DAsync(dst + d0, p.dpitch, src + so, p.spitch, p.width, p.height,
-                                     cudaMemcpyHostToDevice, stream));
+    return;
   }
+  TORCH_INTERNAL_ASSERT(p.spitch >= p.width && p.dpitch >= p.width, "fastdp: a 2-D host copy ",
+                        "with pitches ", p.spitch, " and ", p.dpitch, " below its width ", p.width);
+  C10_CUDA_CHECK(cudaMemcpy2DAsync(dst + d0, p.dpitch, src + so, p.spitch, p.width, p.height,
+                                   cudaMemcpyHostToDevice, stream));
 }
 
 // One pinned chunk into `out` (its region at `dst`) on `stream`, the current stream.
@@ -90,8 +94,10 @@ void copy_pinned(const ChunkCopy& c, at::Tensor& out, char* dst,
       while (k > 0 && ++idx[k - 1] == p.outer_sizes[k - 1]) idx[--k] = 0;
       if (k == 0) break;
     }
-  } else {
-    h2d(dst, from, p, 0, 0, stream);  // kDense (spitch 0) or k2D
+  } else if (p.kind == HostCopyRoute::k2D) {
+    h2d(dst, from, p, 0, 0, stream);
+  } else {  // kDense
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst, from, p.width, cudaMemcpyHostToDevice, stream));
   }
   if (src.is_conj()) out.conj_physical_();  // the bytes copied are the unresolved ones
   if (src.is_neg()) out.neg_();

@@ -41,7 +41,8 @@ def env():
 def pinned_order():
     """NOTE [ Stream order of host copies ]: a pinned batch still being filled by a non_blocking
     D2H on the current stream must be read after it lands. One case per path of scatter_pinned
-    (dense, 2-D, span, rows, conj resolved on the GPU), plus a side stream; torch's comm.scatter
+    (dense, 2-D, span, rows, conj resolved on the GPU; expanded and overlapping sources, whose
+    rows are never a 2-D copy's pitch), plus a side stream; torch's comm.scatter
     on the same input as the baseline (its .to() makes non-dense chunks contiguous on the host)."""
     torch = _torch()
     from torch.nn.parallel import comm as tcomm
@@ -77,6 +78,14 @@ def pinned_order():
             0,
         ),
         ("dense dim0 on a side stream", lambda: rnd(64, 96), lambda t: t, 0),
+        ("expanded rows, a mask (span)", lambda: rnd(1, 512), lambda t: t.expand(8, 512), 0),
+        ("overlapping rows, unfold (span)", lambda: rnd(1024), lambda t: t.unfold(0, 512, 1), 0),
+        (
+            "expanded level, far apart (rows of 1)",
+            lambda: rnd(2, 100000),
+            lambda t: t[:, :512].unsqueeze(1).expand(2, 4, 512),
+            0,
+        ),
     ]
     impls = {
         "fastdp": lambda v, dim: fcomm.scatter(v, [0, 0], dim=dim),

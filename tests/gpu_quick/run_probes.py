@@ -1,6 +1,6 @@
 """The quick check's probe driver: every probe of PLAN in a fresh process with its own timeout.
 
-python tests/gpu_quick/run_probes.py --all --json FILE [--budget S]
+python tests/gpu_quick/run_probes.py --all --json FILE [--budget S] [--plan zero]
 python tests/gpu_quick/run_probes.py --one NAME      one probe here; one PROBE_JSON line
 """
 
@@ -15,6 +15,7 @@ import traceback
 import probes_copy  # noqa: F401  (registers its probes)
 import probes_pool  # noqa: F401
 import probes_steps  # noqa: F401
+import probes_zero  # noqa: F401
 from common import PROBES, _err, _torch
 
 PLAN = [  # most telling first: a cut run keeps these
@@ -35,6 +36,7 @@ PLAN = [  # most telling first: a cut run keeps these
     "scatter_streams",
 ]
 assert sorted(PLAN) == sorted(n for n, p in PROBES.items() if p["in_all"])
+PLANS = {"quick": PLAN, "zero": ["zero_steps"]}  # zero: the quick check's zero stage
 
 
 def run_one(name):
@@ -51,16 +53,16 @@ def run_one(name):
     return 0 if rec["status"] in ("ok", "skip") else 1
 
 
-def run_all(path, budget):
-    """Each probe of PLAN in its own process; without a GPU (the dry run) only the first, which
+def run_all(path, budget, plan=PLAN):
+    """Each probe of `plan` in its own process; without a GPU (the dry run) only the first, which
     proves the plumbing, and the rest are recorded as skipped."""
     t_end = time.time() + budget
     recs = []
     gpu = _torch().cuda.is_available()
-    for name in PLAN:
+    for name in plan:
         spec = PROBES[name]
         left = t_end - time.time()
-        if left < 10 or (not gpu and name != PLAN[0]):
+        if left < 10 or (not gpu and name != plan[0]):
             why = "out of time" if gpu else "no CUDA device (dry run)"
             recs.append({"probe": name, "status": "skip", "why": why})
             continue
@@ -116,5 +118,6 @@ if __name__ == "__main__":
     ap.add_argument("--one")
     ap.add_argument("--json", default="probes.json")
     ap.add_argument("--budget", type=float, default=150)
+    ap.add_argument("--plan", choices=sorted(PLANS), default="quick")
     a = ap.parse_args()
-    sys.exit(run_one(a.one) if a.one else run_all(a.json, a.budget))
+    sys.exit(run_one(a.one) if a.one else run_all(a.json, a.budget, PLANS[a.plan]))

@@ -51,6 +51,8 @@ def probe_lines(probes):
             extra = f"captured={p.get('captured')} {str(p.get('capture_error', ''))[:80]}"
         elif name == "copy_shapes_perf":
             extra = f"worst x torch {p.get('worst_x_torch')}"
+        elif name == "zero_steps" and "cases" in p:
+            extra = f"wrong: {p.get('wrong')} not bit-exact: {p.get('not_bit_exact')}"
         elif name == "env":
             extra = f"{p.get('device')} torch {p.get('torch')}"
         elif "error" in p:
@@ -63,20 +65,38 @@ def probe_lines(probes):
             )
         for r in p.get("cases", []) if name == "pinned_order" else []:
             out.append(f"    {r['case']:<44} fastdp {r.get('fastdp')}  torch {r.get('torch')}")
+        for r in p.get("cases", []) if name == "zero_steps" else []:
+            out.append(
+                f"    {r['case']:<44} bit-exact {r.get('bit_exact')} max diff "
+                f"{r.get('max_abs_diff')} {r.get('error', '')}"
+            )
     return out
 
 
-def test_lines(path):
+def test_lines(path, title="pytest"):
     try:
         txt = open(path, errors="replace").read()
     except OSError:
         return []
-    out = ["== pytest"]
+    out = [f"== {title}"]
     for m in re.finditer(r"^=* ?(\d+ (passed|failed|skipped|error)[^=]*)=*$", txt, re.M):
         out.append("  " + m.group(1).strip())
-    for name in sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", txt, re.M)))[:40]:
+    for name in sorted(set(failed_ids(txt)))[:40]:
         out.append("  FAILED " + name)
     return out
+
+
+# A failed test's id in pytest -v's progress lines (plain, and xdist's "[gw3] [ 10%] FAILED id")
+# and in the -rfE summary ("FAILED id - message"), so a stage killed before its summary keeps them.
+FAILED_LINE = re.compile(
+    r"^(?:(?P<a>\S+::.+?) (?:FAILED|ERROR)(?: +\[ *\d+%\])?"
+    r"|(?:\[gw\d+\] \[ *\d+%\] )?(?:FAILED|ERROR) (?P<b>\S+::.+?)(?: - .*)?)$",
+    re.M,
+)
+
+
+def failed_ids(txt):
+    return [m.group("a") or m.group("b") for m in FAILED_LINE.finditer(txt)]
 
 
 def bench_lines(comm, steps):
@@ -114,7 +134,8 @@ def bench_lines(comm, steps):
 
 
 def main(outdir):
-    lines = probe_lines(load(os.path.join(outdir, "probes.json")) or [])
+    probes = [load(os.path.join(outdir, f)) or [] for f in ("probes.json", "zero-probes.json")]
+    lines = probe_lines(probes[0] + probes[1])
     doc = load(os.path.join(outdir, "doctor.json"))
     if doc:
         n = {s: sum(c["status"] == s for c in doc["checks"]) for s in ("PASS", "FAIL", "SKIP")}
@@ -122,6 +143,7 @@ def main(outdir):
         lines += [f"  FAIL {c['name']}: {c.get('why', '')[:160]}" for c in doc["checks"]
                   if c["status"] == "FAIL"]  # fmt: skip
     lines += test_lines(os.path.join(outdir, "tests.log"))
+    lines += test_lines(os.path.join(outdir, "zero.log"), "pytest (zero stage)")
     comm = load(os.path.join(outdir, "bench-comm", "results.json"))
     steps = load(os.path.join(outdir, "bench-steps", "results.json"))
     lines += bench_lines(comm, steps)
