@@ -557,7 +557,7 @@ class Reducer:
             return
         early = not any(map(_POST_HOOKS, self._sources))
         if self._native and _stream_of(self._dest) != self._stream:
-            self._early = early  # NOTE [ Nodes follow the current stream ]
+            self._early = early  # nodes follow the current stream (see below)
             self.link(tensors, Pending(True))
         elif self._native:  # the nodes made by link() serve every step
             self._pending.value = True
@@ -568,14 +568,13 @@ class Reducer:
             self._early = early
             self.link(tensors, Pending(True))
 
-    # NOTE [ Nodes follow the current stream ]
-    # Autograd runs a node on the stream that was current on its device when the node was made
-    # (its outputs' metadata), after every incoming gradient's stream. The extension's nodes are
-    # made once per tensor set, so a later step under another current stream (a side stream, a
-    # graph capture after an eager warm-up) would reduce on the first step's stream, serialised
-    # behind it, or under capture depend on the legacy stream, which the capture refuses. So
-    # ``arm`` compares the destination's current stream with the last link's, once a step, and
-    # links afresh when it changed (the Python nodes are linked every step anyway).
+    # Nodes follow the current stream: autograd runs a node on the stream that was current on its
+    # device when the node was made (its outputs' metadata), after every incoming gradient's stream.
+    # The extension's nodes are made once per tensor set, so a later step under another current
+    # stream (a side stream, a graph capture after an eager warm-up) would reduce on the first
+    # step's stream, serialised behind it, or under capture depend on the legacy stream, which the
+    # capture refuses. So ``arm`` compares the destination's current stream with the last link's,
+    # once a step, and links afresh when it changed (the Python nodes are linked every step anyway).
 
     # The late turn: a post-accumulate-grad hook acts on ``.grad`` itself, so it sees how many
     # times and in which order the nodes accumulate. A backward may reach a node more than once

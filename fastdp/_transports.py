@@ -91,15 +91,15 @@ class _CpuTransport:
 # stream, and records each such gradient (a sparse one's indices and values) on the stream that
 # reads it (its blocks are not reused before the read). torch's NCCL calls take no lock of their
 # own (``AutoNcclGroup`` only groups them; communicators are created on first use into a map
-# without one; the GIL is released): NOTE [ One NCCL caller at a time ].
-#
-# NOTE [ One NCCL caller at a time ]
-# Two threads enqueueing collectives on the same GPUs at once (two callers of one wrapper, NOTE
-# [ Concurrent calls ]; bucket nodes of different destinations) could queue them in opposite
-# orders on two devices' streams, each kernel then waiting for a peer queued behind the other: a
-# hang. NCCL_LOCK, process-wide, is held around each NCCL call fastdp makes (the first creates
-# the communicators): enqueueing only, nothing under it waits for the GPU, and every device's
-# streams get the collectives in one order.
+# without one; the GIL is released): see ``NCCL_LOCK`` below.
+
+
+# One NCCL caller at a time: two threads enqueueing collectives on the same GPUs at once (two
+# callers of one wrapper, NOTE [ Concurrent calls ]; bucket nodes of different destinations) could
+# queue them in opposite orders on two devices' streams, each kernel then waiting for a peer queued
+# behind the other: a hang. NCCL_LOCK, process-wide, is held around each NCCL call fastdp makes (the
+# first creates the communicators): enqueueing only, nothing under it waits for the GPU, and every
+# device's streams get the collectives in one order.
 NCCL_LOCK = threading.Lock()
 
 

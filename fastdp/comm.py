@@ -5,7 +5,7 @@ or the torch path does (identical results); ``broadcast_coalesced``/``reduce_add
 the replication engine's (``fastdp/_buckets.py``, ``fastdp/_reducer.py``). Devices are ints (CUDA
 ids, -1 for the CPU), strings or ``torch.device``. Outputs carry no autograd history (use
 ``fastdp._functions`` for that). Any thread may call them at once: the NCCL calls beneath take
-turns (NOTE [ One NCCL caller at a time ] in ``fastdp/_transports.py``).
+turns (``NCCL_LOCK`` in ``fastdp/_transports.py``).
 """
 
 from __future__ import annotations

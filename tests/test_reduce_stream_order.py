@@ -1,6 +1,6 @@
 """The streams and NCCL calls of a reduce on the CPU, CUDA's streams, events and NCCL calls
-faked: NOTE [ Streams of a reduce across devices ] and NOTE [ One NCCL caller at a time ] in
-fastdp/_transports.py, NOTE [ Nodes follow the current stream ] in fastdp/_reducer.py. The GPU
+faked: NOTE [ Streams of a reduce across devices ] and ``NCCL_LOCK`` in
+fastdp/_transports.py, the nodes relinked on a stream change in ``Reducer.arm``. The GPU
 tests are in tests/test_gpu_pool_and_streams.py."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class FakeFlat:
 
 
 def test_two_threads_nccl_calls_never_overlap(monkeypatch) -> None:
-    """NOTE [ One NCCL caller at a time ]: broadcasts and reduces of the CUDA transport from two
+    """``NCCL_LOCK``: broadcasts and reduces of the CUDA transport from two
     threads at once reach torch's NCCL calls (faked) one at a time. Each fake call waits up to
     0.5 s for the other thread's to join it, which only an unserialised caller can."""
     guard, both_in = threading.Lock(), threading.Event()
@@ -146,9 +146,9 @@ def test_two_threads_nccl_calls_never_overlap(monkeypatch) -> None:
 
 @pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 def test_the_nodes_are_linked_afresh_when_the_destinations_stream_changes(monkeypatch) -> None:
-    """NOTE [ Nodes follow the current stream ], the current stream faked on CPU replicas: the
-    extension's nodes serve every step under one stream, a step under another gets new ones,
-    and the gradients stay the plain module's."""
+    """Nodes follow the current stream (``Reducer.arm``), the current stream faked on CPU replicas:
+    the extension's nodes serve every step under one stream, a step under another gets new ones, and
+    the gradients stay the plain module's."""
     stream, links = ["default"], []
     link_bucket = fastdp._reducer.link_bucket
     monkeypatch.setattr(fastdp._reducer, "_stream_of", lambda device: stream[0], raising=False)
