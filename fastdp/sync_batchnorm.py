@@ -171,9 +171,10 @@ def _collect(payloads: list[Any], dev: torch.device) -> tuple[list, list, list[i
         if event is not None:  # CUDA: order after the producer's stream, keep memory alive
             stream = torch.cuda.current_stream(dev)
             stream.wait_event(event)
-            if mean.device == dev:
-                mean.record_stream(stream)
-                var.record_stream(stream)
+            # the stream that reads: torch copies between GPUs on the source's current stream
+            reader = stream if mean.device == dev else torch.cuda.current_stream(mean.device)
+            mean.record_stream(reader)
+            var.record_stream(reader)
         means.append(mean.to(dev))
         vars_.append(var.to(dev))
         counts.append(count)

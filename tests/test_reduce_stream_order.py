@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fastdp._reducer
+import fastdp.sync_batchnorm
 from fastdp import FastDataParallel, _backend, _transports
 from fastdp._reducer import reduce_add
 
@@ -172,3 +173,30 @@ def test_the_nodes_are_linked_afresh_when_the_destinations_stream_changes(monkey
             per_step.append(len(links))
     n = per_step[0]  # one link per bucket, made with the replicas in the first step
     assert n > 0 and per_step == [n, n, 2 * n, 2 * n, 3 * n]
+
+
+class FakeStat(FakeGrad):
+    """A replica's SyncBatchNorm statistic: ``.to(dev)`` copies it (torch reads it on the source's
+    current stream when the devices differ)."""
+
+    def to(self, device) -> FakeStat:
+        return FakeStat(str(device))
+
+
+def test_sync_batchnorm_records_statistics_on_the_stream_that_reads_them(monkeypatch) -> None:
+    """Each replica's statistics are kept alive for the stream that reads them: the destination's
+    for its own device, the source device's current stream for another GPU's (the copy's)."""
+    streams: dict[torch.device, FakeStream] = {}
+
+    def current_stream(device=None):
+        return streams.setdefault(torch.device(device), FakeStream(torch.device(device)))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    dev = torch.device("cuda", 0)
+    payloads = [(FakeStat(f"cuda:{d}"), FakeStat(f"cuda:{d}"), 2, FakeEvent()) for d in (0, 1)]
+    means, _, counts = fastdp.sync_batchnorm._collect(payloads, dev)
+    assert counts == [2, 2] and all(m.device == dev for m in means)
+    for d, (mean, var, _, event) in enumerate(payloads):
+        assert streams[dev].waited.count(event) == 1
+        reader = streams[torch.device("cuda", d)]
+        assert mean.read_on == [reader] and var.read_on == [reader], d
