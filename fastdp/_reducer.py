@@ -409,8 +409,10 @@ def fold(
 ) -> int:
     """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
     in-place add) through ``reduce_add``; returns how many sources
-    received gradients. A source that requires grad and that no replica computed a gradient
-    for gets zeros where its ``.grad`` is None (DataParallel's reduce gives every source one).
+    received gradients. A source that required grad when its leaves were made (at its
+    micro-steps' reduce) and that no replica computed a gradient for gets zeros where its
+    ``.grad`` is None (DataParallel's reduce gives every such source one, whatever
+    ``requires_grad`` says since).
     The leaves' ``.grad`` are taken (None after): a graph still to run its backward adds anew."""
     received = 0
     for sources, leaves in pending:
@@ -424,7 +426,7 @@ def fold(
             continue
         for k in set(range(len(sources))) - set(hit):
             s = sources[k]
-            if s.grad is None and s.requires_grad:
+            if s.grad is None and leaves[0][k].requires_grad:
                 s.grad = torch.zeros_like(s)
         with torch.no_grad():
             totals = reduce_add(per_replica, sources[0].device, stats=stats)  # never a leaf's .grad
@@ -649,12 +651,14 @@ class Reducer:
     def drop_pending(self, zeros: bool = False) -> None:
         """Forget the pending gradients; ``zeros``: ``zero_grad(set_to_none=False)``, which
         leaves zeros where plain accumulation would have had a gradient."""
-        per_replica = [rep for gen in self._generations() for rep in gen]
-        if zeros and any(leaf.grad is not None for rep in per_replica for leaf in rep):
-            for s in self._sources:  # a reduce gives every source a gradient (zeros if unused)
-                if s.grad is None and s.requires_grad:
-                    s.grad = torch.zeros_like(s)
-        for rep in per_replica:
+        generations = self._generations()
+        for gen in generations if zeros else ():
+            if any(leaf.grad is not None for rep in gen for leaf in rep):
+                # a reduce gives every source that required grad then one (zeros if unused)
+                for s, leaf in zip(self._sources, gen[0]):
+                    if s.grad is None and leaf.requires_grad:
+                        s.grad = torch.zeros_like(s)
+        for rep in (rep for gen in generations for rep in gen):
             for leaf in rep:
                 leaf.grad = None
 

@@ -215,3 +215,55 @@ def test_no_sync_without_persistent_replicas_still_accumulates():
             dp(x).pow(2).sum().backward()
         _ref_step(ref, x)
     _assert_grads_equal(net, ref)  # reduced every step: correct, nothing saved
+
+
+class Branch(nn.Module):
+    """``branch`` is used by chunks of more than one row only: a one-row chunk's replica skips
+    it (DataParallel gives it zeros when no replica used it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.branch = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + self.branch if len(x) > 1 else h
+
+
+def _assert_same_grads(a, b):
+    """``.grad`` of both modules: None where the other's is None, else equal."""
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{name}: {p.grad} vs {q.grad}"
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.usefixtures("backend", "storage")  # the fold runs before any launch
+@pytest.mark.parametrize("toggle", ["freeze_unused", "freeze_used_then_zero", "unfreeze_unused"])
+def test_requires_grad_toggled_between_micro_steps(toggle):
+    """A micro-step's reduce gives zeros to every parameter that required grad then and got
+    none; what ``requires_grad`` says later does not change that (the fold and
+    ``zero_grad(set_to_none=False)`` go by the micro-steps' leaves)."""
+    dp = fastdp.FastDataParallel(Branch(), ["cpu"] * 2)
+    fresh = fastdp.FastDataParallel(Branch(), ["cpu"] * 2, persistent=False)
+    torch.manual_seed(1)
+    xs = [torch.randn(b, 4) for b in (1, 4, 4)]
+    before = []  # which .grad are None after the fold, before the last backward
+    for m in (dp, fresh):
+        net = m.module
+        if toggle == "unfreeze_unused":
+            net.branch.requires_grad_(False)
+        with m.no_sync():
+            m(xs[0] if toggle != "freeze_used_then_zero" else xs[1]).pow(2).sum().backward()
+        net.branch.requires_grad_(toggle == "unfreeze_unused")
+        if toggle == "freeze_used_then_zero":
+            with m.no_sync():
+                m(xs[1]).sum().backward()
+            m.zero_grad(set_to_none=False)
+        out = m(xs[2])  # the fold, before this step's backward
+        before.append([p.grad is None for p in net.parameters()])
+        out.pow(2).sum().backward()
+    assert before[0] == before[1]
+    _assert_same_grads(dp.module, fresh.module)
