@@ -11,14 +11,14 @@ steps (a gradient penalty's backward through ``autograd.grad(create_graph=True)`
 products), ``no_sync()`` micro-steps (one or two forwards before the backward, replicas skipping
 the sparse embedding), ``.data`` edits between them, partial batches, a replica raising (an
 ``Exception`` or a ``BaseException``), two threads calling one wrapper, optimizer steps (SGD, AdamW
-with weight decay), ``load_state_dict``, in-place edits, ``requires_grad`` toggles, a deep copy or
-save and load of the wrapper mid-run, train/eval and hooks on the originals (tensor and
-post-accumulate). Three runners (tests/oracle_runners.py) must agree after every operation:
-``FastDataParallel`` with persistent replicas, with ``persistent=False``, and DataParallel's
-semantics by hand on ``torch.chunk`` chunks. Compared: outputs, the type of any exception, every
-``.grad`` (None or not, then values), ``autograd.grad`` results, buffers, and the originals after
-optimizer steps. float64; after each operation the other runners take the persistent runner's
-values (summation order must not drift).
+with weight decay), ``load_state_dict``, in-place edits, ``requires_grad`` toggles (also between
+``no_sync()`` micro-steps), a deep copy or save and load of the wrapper mid-run, train/eval and
+hooks on the originals (tensor and post-accumulate). Three runners (tests/oracle_runners.py) must
+agree after every operation: ``FastDataParallel`` with persistent replicas, with
+``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk`` chunks. Compared:
+outputs, the type of any exception, every ``.grad`` (None or not, then values), ``autograd.grad``
+results, buffers, and the originals after optimizer steps. float64; after each operation the other
+runners take the persistent runner's values (summation order must not drift).
 
 With CPU replicas sharing the originals' storage (the default), an in-place parameter write in a
 forward lands once per replica (documented); the ``inplace_param`` feature runs only under
@@ -365,6 +365,13 @@ class Oracle(RuleBasedStateMachine):
     def requires_grad(self, which, flag):
         names = [n for n, _ in self.runners[0].model.named_parameters()]
         self.each(lambda r: r.param(names[which % len(names)]).requires_grad_(flag))
+
+    @precondition(lambda self: self.pending and "requires_grad" not in LEFT_OUT)
+    @rule(which=st.integers(0, 7), flag=st.booleans())
+    def requires_grad_pending(self, which, flag):
+        """A parameter frozen or unfrozen between ``no_sync()`` micro-steps (gradual unfreezing
+        during accumulation): the micro-steps before it keep the flag they ran with."""
+        self.requires_grad(which, flag)
 
     @on("requires_grad")
     @rule(flag=st.booleans())
