@@ -33,6 +33,8 @@ class Shard:
         self.masters: dict[int, torch.Tensor] = {}  # id(original) -> master copy
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, master)
         self.load = 0  # bytes of the trainable parameters owned
+        self.copies_made = {"values_in": 0, "grads_in": 0, "values_out": 0}  # across devices
+        self.side: Any = None  # this owner's stream on the originals' CUDA device, made lazily
 
     def key(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor this owner's optimizer holds for original ``p``."""
@@ -55,6 +57,7 @@ class Shard:
         caller raises the first one, in owner order)."""
         try:
             with ExitStack() as stack:
+                streams = self._own_side(list(streams), stack)
                 for stream in streams:
                     stack.enter_context(torch.cuda.stream(stream))
                 self._copy_in()
@@ -64,21 +67,52 @@ class Shard:
             return e
         return None
 
+    def _own_side(self, streams: list[Any], stack: ExitStack) -> list[Any]:
+        """With masters on another CUDA device: the originals' side of this owner's copies on a
+        stream of its own (a torch copy between devices runs on the source's current stream),
+        after the caller's work there, which waits for it when the step ends."""
+        if not (self.copies and self.pairs and len(streams) == 2):
+            return streams
+        home = streams[0]
+        if self.side is None:
+            self.side = torch.cuda.Stream(home.device)
+        ready = torch.cuda.Event()
+        ready.record(home)
+        self.side.wait_event(ready)
+        stack.callback(home.wait_stream, self.side)
+        for p, _ in self.pairs:
+            if p.grad is not None:
+                p.grad.record_stream(self.side)
+        return [self.side, streams[1]]
+
     def _copy_in(self) -> None:
         """Masters take the originals' values every step: nothing tracks a write through
         ``.data`` (the originals are what the unsharded optimizer would read)."""
         with torch.no_grad():
             for p, m in self.pairs:
                 check_same_shape(p, m)
-                m.copy_(p)
-                m.grad = None if p.grad is None else p.grad.to(self.device, copy=True)
+            masters = [m for _, m in self.pairs]
+            move([p for p, _ in self.pairs], masters)
+            self.copies_made["values_in"] += bool(masters)
+            dense = [(p.grad, m) for p, m in self.pairs if p.grad is not None]
+            sparse = [(g, m) for g, m in dense if g.layout != torch.strided]
+            dense = [(g, m) for g, m in dense if g.layout == torch.strided]
+            for m in masters:
+                m.grad = None
+            for g, m in sparse:
+                m.grad = g.to(self.device, copy=True)
+            for g, m in dense:
+                m.grad = torch.empty_like(g, device=self.device)
+            move([g for g, _ in dense], [m.grad for _, m in dense])
+            self.copies_made["grads_in"] += bool(dense) + len(sparse)
 
     def _copy_out(self) -> None:
         with torch.no_grad():
-            for p, m in self.pairs:
-                if m.grad is not None:
-                    p.copy_(m)
-                    m.grad = None
+            stepped = [(p, m) for p, m in self.pairs if m.grad is not None]
+            move([m for _, m in stepped], [p for p, _ in stepped])
+            self.copies_made["values_out"] += bool(stepped)
+            for _, m in stepped:
+                m.grad = None
 
     def state_bytes(self) -> int:
         if self.optimizer is None:
@@ -89,6 +123,35 @@ class Shard:
             for v in st.values()
             if isinstance(v, torch.Tensor)
         )
+
+
+ALIGN = 16  # bytes: a slice of the flat buffer at a multiple of it views as any dtype
+
+
+def move(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for every pair (same shapes and dtypes) as one copy across devices: a
+    torch copy between devices synchronises both devices' current streams, so one per tensor
+    serialises the owners on those barriers. The sources' bytes are packed into one flat buffer
+    on their device, cross once, and one foreach copy on the destinations' device scatters
+    them: the same bytes out, whatever the dtypes, strides or number of tensors."""
+    if not sources:
+        return
+    pieces, offsets, at = [], [], 0
+    for s in sources:
+        raw = s.detach().resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8)
+        pad = -raw.numel() % ALIGN
+        pieces.append(raw)
+        if pad:
+            pieces.append(raw.new_zeros(pad))
+        offsets.append(at)
+        at += raw.numel() + pad
+    to = dests[0].device
+    flat = torch.cat(pieces).to(to, non_blocking=to.type == "cuda")
+    views = [
+        flat[o : o + d.numel() * d.element_size()].view(d.dtype).view(d.shape)
+        for o, d in zip(offsets, dests)
+    ]
+    torch._foreach_copy_(list(dests), views)
 
 
 def check_same_shape(p: torch.Tensor, m: torch.Tensor) -> None:

@@ -290,6 +290,12 @@ class ZeroRedundancyOptimizer(Optimizer):
             for d, s in zip(devs, self._shards)
         }
 
+    def copy_stats(self) -> dict[str, dict[str, int]]:
+        """Copies between devices made so far per owner, keyed as ``memory_stats``:
+        ``values_in``, ``grads_in`` and ``values_out``, one each per step for an owner stepping
+        master copies, whatever its number of tensors (plus one per sparse gradient)."""
+        return {k: dict(s.copies_made) for k, s in zip(self.memory_stats(), self._shards)}
+
     def __repr__(self) -> str:
         inner = repr(self._shards[0].optimizer).replace("\n", "\n    ")
         return (

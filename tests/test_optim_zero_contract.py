@@ -1,5 +1,6 @@
 """``ZeroRedundancyOptimizer``'s contract beyond exactness: optimizer state split by bytes
-(``memory_stats``), owners stepping at once under ``"threads"``, errors that say what to do."""
+(``memory_stats``), one copy per direction (``copy_stats``), owners stepping at once under
+``"threads"``, errors that say what to do."""
 
 import threading
 
@@ -9,6 +10,7 @@ from torch import nn
 from zero_helpers import Twin
 
 import fastdp
+from fastdp._zero_shards import move
 
 
 def _state_bytes(opt):
@@ -38,6 +40,40 @@ def test_state_bytes_split_by_replica_index(distinct, arch):
     assert per[0] <= 0.30 * total, (per, total)
     masters = [stats[f"cpu#{i}"]["master_copies"] for i in range(4)]
     assert masters[0] == 0 and all(m > 0 for m in masters[1:])
+
+
+def test_one_copy_per_direction_per_owner_per_step(distinct):
+    """Owners stepping master copies cross devices once per direction per step (values in,
+    gradients in, values out), however many tensors they own; owner 0 copies nothing."""
+    twin = Twin("transformer", "adamw_foreach")
+    owned = [sum(twin.zero.owner_of(p) == i for p in twin.nets[0].parameters()) for i in range(4)]
+    assert max(owned[1:]) > 1, owned
+    twin.train(3)
+    twin.assert_same()
+    stats = twin.zero.copy_stats()
+    assert stats["cpu#0"] == {"values_in": 0, "grads_in": 0, "values_out": 0}
+    for i in range(1, 4):
+        assert stats[f"cpu#{i}"] == {"values_in": 3, "grads_in": 3, "values_out": 3}, stats
+
+
+def test_the_flat_copy_keeps_every_dtype_and_layout_bit_for_bit():
+    src = [
+        torch.randn(3, 5).t(),
+        torch.tensor(True),
+        torch.zeros(0, 4),
+        torch.randn(7, dtype=torch.float64),
+        torch.randint(0, 9, (5,), dtype=torch.int8),
+        torch.randn(4, dtype=torch.complex64).conj(),
+        torch.randn(2, 3, dtype=torch.bfloat16),
+        torch.randn(4, 4)[:, ::2],
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        torch.tensor(2.5),
+    ]
+    dst = [torch.empty_like(s) for s in src]
+    dst[0] = torch.empty(5, 3)
+    move(src, dst)
+    for s, d in zip(src, dst):
+        assert torch.equal(d.resolve_conj(), s.resolve_conj())
 
 
 def test_alias_storage_needs_no_master_copies():
