@@ -34,17 +34,19 @@ def _chunked(module: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([module(c) for c in x.chunk(n)])
 
 
-def _penalty_step(fdp, x, y):
-    params = list(fdp.module.parameters())
-    loss = F.mse_loss(fdp(x), y)
-    gs = torch.autograd.grad(loss, params, create_graph=True)
+def _penalty(module: nn.Module, out: torch.Tensor, y: torch.Tensor):
+    """A gradient-norm penalty's backward through ``create_graph``'s gradients of ``module``:
+    the gradients and the parameters' ``.grad`` after it."""
+    params = list(module.parameters())
+    gs = torch.autograd.grad(F.mse_loss(out, y), params, create_graph=True)
     sum(g.float().pow(2).sum() for g in gs).backward()
     return [g.detach() for g in gs], [p.grad.clone() for p in params]
 
 
-def _hvp(fdp, x, y, v):
-    params = list(fdp.module.parameters())
-    gs = torch.autograd.grad(F.mse_loss(fdp(x), y), params, create_graph=True)
+def _hvp(module: nn.Module, out: torch.Tensor, y: torch.Tensor, v: list[torch.Tensor]):
+    """The Hessian of the loss over ``module``'s parameters times ``v``."""
+    params = list(module.parameters())
+    gs = torch.autograd.grad(F.mse_loss(out, y), params, create_graph=True)
     return torch.autograd.grad(gs, params, grad_outputs=v)
 
 
@@ -59,18 +61,10 @@ def test_gradient_penalty_equals_the_chunked_module(n, dtype, kind, storage, bac
         x, y = _data(dtype, step, kind)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-        gs, grads = _penalty_step(fdp, x, y)
-        gs_ref, grads_ref = _penalty_ref(ref, x, y, n)
+        gs, grads = _penalty(model, fdp(x), y)
+        gs_ref, grads_ref = _penalty(ref, _chunked(ref, x, n), y)
         assert_close(gs, gs_ref, **TOL[dtype])
         assert_close(grads, grads_ref, **TOL[dtype])
-
-
-def _penalty_ref(ref, x, y, n):
-    params = list(ref.parameters())
-    loss = F.mse_loss(_chunked(ref, x, n), y)
-    gs = torch.autograd.grad(loss, params, create_graph=True)
-    sum(g.float().pow(2).sum() for g in gs).backward()
-    return [g.detach() for g in gs], [p.grad.clone() for p in params]
 
 
 @withCUDA
@@ -84,8 +78,5 @@ def test_hessian_vector_product_equals_the_chunked_module(n, dtype, kind, storag
     v = [torch.randn(p.shape, generator=gen).to(p) for p in model.parameters()]
     for step in range(2):
         x, y = _data(dtype, step, kind)
-        hv = _hvp(fdp, x, y, v)
-        params = list(ref.parameters())
-        gs = torch.autograd.grad(F.mse_loss(_chunked(ref, x, n), y), params, create_graph=True)
-        hv_ref = torch.autograd.grad(gs, params, grad_outputs=v)
-        assert_close(hv, hv_ref, **TOL[dtype])
+        hv = _hvp(model, fdp(x), y, v)
+        assert_close(hv, _hvp(ref, _chunked(ref, x, n), y, v), **TOL[dtype])
