@@ -181,55 +181,65 @@ class Probe(Pending):
 # buckets' sources zeros, which the engine accumulates, captures or drops as the backward asks. Its
 # cost (the sums live to the end of backward): bench/results/cpu-2core-2026-11-26-anchor.
 class BucketGroup:
-    """The buckets of one replica set within one backward."""
+    """The buckets of one replica set, per running backward."""
 
-    __slots__ = ("sources", "flat", "ran", "queued", "task")
+    __slots__ = ("sources", "flat", "tasks")
 
     def __init__(self, sources: list[list[torch.Tensor]]) -> None:
         self.sources = sources
         self.flat = [s for b in sources for s in b]
-        self.ran: set[int] = set()
-        self.queued, self.task = False, None
+        # per backward (graph task id) the buckets whose nodes ran in it: a reentrant
+        # checkpoint's nested backward runs inside the outer one, and each gives its own zeros
+        self.tasks: dict[Any, set[int]] = {}
 
     def reset(self) -> None:
-        self.ran, self.queued, self.task = set(), False, None
+        self.tasks = {}
 
-    def mark(self, b: int) -> set[int]:
-        """Bucket ``b``'s node runs in the current backward; the buckets that ran in it."""
+    def mark(self, b: int) -> tuple[Any, set[int] | None]:
+        """Bucket ``b``'s node runs in the current backward: that backward's id, and the set of
+        buckets that ran in it when ``b`` is its first (None otherwise)."""
         task = _torch_private.current_graph_task_id()
-        if task != self.task:
-            self.task, self.ran, self.queued = task, set(), False
-        self.ran.add(b)
-        return self.ran
+        ran = self.tasks.get(task)
+        if ran is not None:
+            ran.add(b)
+            return task, None
+        ran = self.tasks[task] = {b}
+        return task, ran
 
     def ran_in_this_backward(self) -> set[int]:
-        """The buckets whose nodes ran in the current backward (the anchor's question)."""
-        return self.ran if self.task == _torch_private.current_graph_task_id() else set()
+        """The buckets whose nodes ran in the current backward (the anchor's question, asked
+        once a backward: the answer is forgotten)."""
+        return self.tasks.pop(_torch_private.current_graph_task_id(), set())
 
     def bucket_ran(self, b: int) -> None:
         """Bucket ``b``'s extension node runs in the current backward."""
         if len(self.sources) < 2:  # one bucket: it cannot go unreached
             return
-        ran = self.mark(b)
+        task, ran = self.mark(b)
         ext = _backend.ext()
-        if self.queued or ext is None:
+        if ran is None or ext is None:
             return
-        self.queued = True
         if ext.graph_task_mode() == 1:
             targets = [True] * len(self.flat)
         else:
             targets = ext.graph_task_accumulates(self.flat)
             if not any(targets):
                 return
-        _torch_private.queue_engine_callback(lambda: self._zero_unreached(ran, targets))
+        _torch_private.queue_engine_callback(lambda: self._zero_unreached(task, ran, targets))
 
-    def _zero_unreached(self, ran: set[int], targets: list[bool]) -> None:
-        k = 0
+    def _zero_unreached(self, task: Any, ran: set[int], targets: list[bool]) -> None:
+        self.tasks.pop(task, None)
+        k, hooked = 0, []
         for b, sources in enumerate(self.sources):
             for s in sources:
-                if b not in ran and targets[k] and s.requires_grad and s.grad is None:
-                    s.grad = torch.zeros_like(s)
+                if b not in ran and targets[k] and s.requires_grad:
+                    if _HOOKS(s) or _POST_HOOKS(s):
+                        hooked.append(s)
+                    elif s.grad is None:
+                        s.grad = torch.zeros_like(s)
                 k += 1
+        if hooked:  # its hooks see the zeros DataParallel's Broadcast accumulates: the engine's
+            torch.autograd.backward(hooked, [torch.zeros_like(s) for s in hooked])
 
 
 class BucketLink:
@@ -505,7 +515,7 @@ class Reducer:
         """A forward starts (the set's ``refresh``): the last backward's bookkeeping of which
         buckets ran is dropped."""
         g = self._group
-        if g.ran or g.queued or g.task is not None:  # the last backward's bookkeeping
+        if g.tasks:  # the last backward's bookkeeping
             g.reset()
 
     def link(self, tensors: list[list[torch.Tensor]], pending: Pending | None = None) -> None:

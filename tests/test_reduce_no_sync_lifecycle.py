@@ -16,13 +16,13 @@ import fastdp
 D = 4
 
 
-def _pair(net, n=2):
+def _pair(net, n=2, **kw):
     """The persistent wrapper, DataParallel's algorithm, and the plain module, on copies of
-    ``net``."""
+    ``net``; ``kw``: the wrappers' settings."""
     fresh, plain = copy.deepcopy(net), copy.deepcopy(net)
     return (
-        fastdp.FastDataParallel(net, ["cpu"] * n),
-        fastdp.FastDataParallel(fresh, ["cpu"] * n, persistent=False),
+        fastdp.FastDataParallel(net, ["cpu"] * n, **kw),
+        fastdp.FastDataParallel(fresh, ["cpu"] * n, persistent=False, **kw),
         plain,
     )
 
@@ -223,6 +223,36 @@ def test_post_accumulate_hook_with_reentrant_checkpoint(storage, launch):
         _assert_same(dp.module, plain)
         if launch == "inline":  # on threads, Broadcast's turn depends on their counters
             _assert_same(fresh.module, plain)
+
+
+@pytest.mark.usefixtures("backend")
+@pytest.mark.parametrize("forwards", [1, 2])
+@pytest.mark.parametrize("hooked", ["lin", "lin.bias", "head", ""])
+def test_post_accumulate_hook_inside_a_reentrant_checkpoint(storage, forwards, hooked):
+    """A post-accumulate-grad hook on parameters inside the checkpoint (``lin``), a bucket per
+    tensor: DataParallel's ``Broadcast`` accumulates each replica's part in its nested backward,
+    then zeros in the outer one (the checkpointed bucket is unreached there); the hook sees
+    each. One or two forwards before one backward; inline (on threads DataParallel's turn
+    depends on the workers' sequence numbers)."""
+    dp, fresh, _ = _pair(Checkpointed(), bucket_cap_mb=1e-6, launch="inline")
+    torch.manual_seed(1)
+    x = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
+    for m in (dp, fresh):
+        m(x).sum().backward()
+
+    def halve_in_place(p):
+        p.grad.mul_(0.5)
+
+    for m in (dp, fresh):
+        for name, p in m.module.named_parameters():
+            if name.startswith(hooked):
+                p.register_post_accumulate_grad_hook(halve_in_place)
+    for step in range(3):
+        for m in (dp, fresh):
+            if step != 1:  # one step accumulates onto the last
+                m.zero_grad()
+            sum(m(x + k).pow(2).sum() for k in range(forwards)).backward()
+        _assert_same(dp.module, fresh.module, f"step {step}: ")
 
 
 @pytest.mark.usefixtures("launch", "backend")

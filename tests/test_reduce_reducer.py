@@ -221,6 +221,32 @@ def test_a_bucket_of_unused_parameters_gets_zeros_as_in_dataparallel(monkeypatch
 
 
 @pytest.mark.parametrize("mode", ["distinct", "alias"])
+@pytest.mark.parametrize("kind", ["tensor", "post-accumulate"])
+def test_hooks_on_an_unreached_bucket_see_dataparallels_zeros(monkeypatch, backend, mode, kind):
+    """DataParallel's Broadcast accumulates zeros into an unused parameter: its tensor hooks and
+    post-accumulate hooks run on them once per backward, ``.grad`` kept or not. So do the
+    engine's, for a bucket no node of the backward reached."""
+    monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1" if mode == "distinct" else "0")
+    net, calls, grads = _UnusedFirst(), [], []
+    for persistent in (True, False):
+        model, seen = copy.deepcopy(net), []
+        calls.append(seen)
+        for p in model.unused.parameters():
+            if kind == "tensor":  # a weight decay in a hook: zeros in, not zeros out
+                p.register_hook(lambda g, p=p, seen=seen: seen.append(1) or g + 0.1 * p.detach())
+            else:
+                p.register_post_accumulate_grad_hook(lambda p, seen=seen: seen.append(p.grad.sum()))
+        fdp = FastDataParallel(model, ["cpu"] * 2, bucket_cap_mb=0.2, persistent=persistent)
+        for k in range(3):
+            if k != 1:  # a step that keeps .grad, then one from None
+                model.zero_grad()
+            fdp(torch.randn(4, 256)).sum().backward()
+        grads.append(model.unused.weight.grad)
+    assert len(calls[0]) == len(calls[1]) == 6
+    assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("mode", ["distinct", "alias"])
 def test_buckets_reduce_while_backward_runs(monkeypatch, backend, mode):
     """Each bucket's node runs once its gradients exist (NOTE [ Early reduction ]), with or
     without the extension: the last layers' bucket is summed before the first layer's backward
