@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
-from fastdp import _backend, _buckets
+from fastdp import _backend, _buckets, _torch_private
 from fastdp._compiled import compile_root, is_compiled, mark_static
 from fastdp._launch import Order
 from fastdp._reducer import _HOOKS, _VERSION, Reducer, has_grad_hooks
@@ -386,10 +386,14 @@ class ReplicaSet:
             ]
             self._shared_versions = list(map(_VERSION, self._shared_frozen))
 
-    def after_launch(self) -> None:
-        """The wrapper calls it after each launch of these replicas: warns once per set where a
-        forward wrote in place to a frozen parameter the replicas share (README, *Persistent
-        replicas*)."""
+    def after_launch(self, outputs: Sequence[Any]) -> None:
+        """The wrapper calls it after each launch of these replicas, with their outputs: notes a
+        graph no bucket node tracks, and warns once per set where a forward wrote in place to a
+        frozen parameter the replicas share (README, *Persistent replicas*)."""
+        if self._any_grad and torch.is_grad_enabled() and not self._reducer.graph_alive():
+            # a graph that reaches no bucket node (the trainable parameters unused, or used only
+            # inside a reentrant checkpoint) may still save replica tensors: assume it lives on
+            self._untracked = self._untracked or _requires_grad(outputs)
         if self._shared_frozen:
             self._warn_shared_writes()
 
@@ -477,6 +481,12 @@ class ReplicaSet:
         """A test hook, never called by the library: the set's state, read live, under the
         names tests assert on. A query."""
         return _TestView(self)
+
+
+def _requires_grad(outputs: Any) -> bool:
+    """Whether a tensor among ``outputs`` (containers torch's pytree knows) requires grad."""
+    leaves = _torch_private.tree_leaves(outputs)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
 
 class _TestView:

@@ -68,6 +68,12 @@ def current_graph_task_id() -> int:
     return None if fn is None else fn()
 
 
+def tree_leaves(obj: Any) -> list[Any]:
+    """``obj``'s leaves as torch's pytree flattens it (the containers it knows, ``ModelOutput``
+    among them once transformers registered it; anything else is a leaf)."""
+    return torch.utils._pytree.tree_leaves(obj)
+
+
 def queue_engine_callback(fn: Any) -> None:
     """Run ``fn`` when the running backward finishes (DDP's reducer does the same)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)

@@ -308,7 +308,7 @@ class FastDataParallel(DataParallel):
             with prepare_replicas(replicas):  # [beyond DP] SyncBatchNorm, callbacks
                 outputs = self.parallel_apply(replicas, inputs, kwargs, **on)
         if rs is not None:
-            rs.after_launch()
+            rs.after_launch(outputs)
         return outputs
 
     def _set_of(self, replicas: Sequence[Module]) -> ReplicaSet | None:

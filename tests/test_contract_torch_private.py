@@ -32,6 +32,11 @@ def test_exception_wrapper_reraises_with_the_original_type():
         w.reraise()
 
 
+def test_tree_leaves_walks_nested_containers():
+    a, b = torch.ones(1), torch.zeros(1)
+    assert tp.tree_leaves([(a, {"k": b}), "s"]) == [a, b, "s"]
+
+
 def test_sequence_numbers_order_ready_nodes():
     """A node given the highest sequence number runs first among ready nodes."""
     order = []

@@ -180,6 +180,45 @@ class Three(nn.Module):
         return self.head(torch.tanh(self.a(x)))
 
 
+class FrozenScale(nn.Module):
+    """A frozen scale the graph saves; the trainable parameters inside a reentrant checkpoint
+    (``checkpointed``) or unused (the gradient asked of the input): the outer graph reaches
+    no bucket node."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.scale = nn.Parameter(torch.randn(4, dtype=torch.float64), requires_grad=False)
+        self.inner = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(
+                lambda t: torch.tanh(self.inner(t)), x.detach().requires_grad_(), use_reentrant=True
+            )
+            x = x + h
+        return x * self.scale.reshape(1, 4).expand(x.shape[0], 4)
+
+
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpoint", "input-grad"])
+def test_two_forwards_whose_graph_reaches_no_bucket_node(checkpointed):
+    """Two forwards before one backward: the first forward's graph saved the frozen scale of
+    each replica, through no bucket node. The second forward must not refresh those tensors
+    in place (storage of their own: a version error, or stale values)."""
+    pair = _pair(FrozenScale(checkpointed), bucket_cap_mb=TINY)
+    torch.manual_seed(1)
+    xs = [torch.randn(6, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    grads = []
+    for w in pair:
+        w(xs[0]).sum().backward()  # a step of its own first: the nodes exist and ran
+        a, b = w(xs[0]), w(xs[1] * 2)
+        grads.append(torch.autograd.grad(a.pow(2).sum() + b.pow(2).sum(), xs))
+        a, b = w(xs[0]), w(xs[1])
+        (a.pow(2).sum() + b.sum()).backward()
+    torch.testing.assert_close(grads[0], grads[1])
+    _assert_same(*pair)
+
+
 @pytest.mark.parametrize("cap", [TINY, 25.0], ids=["buckets", "one-bucket"])
 def test_autograd_grad_matches_fresh_replicas(cap):
     x = torch.randn(6, 4, dtype=torch.float64)
