@@ -59,18 +59,20 @@ def halve_grad(p: torch.Tensor) -> None:
     p.grad.mul_(0.5)
 
 
-def agree(values: list, what: str, unreached_none: bool = False) -> None:
+def agree(values: list, what: str, unreached_none: bool = False, chunked: bool = True) -> None:
     """``values`` per runner (persistent, fresh, chunked). The wrappers must agree exactly on None
     or not; DataParallel gives an unused parameter zeros where the chunked module has None.
     ``unreached_none``: a backward that named its inputs (``autograd.grad``, ``inputs=``) gives
     a parameter whose whole bucket went unused None with persistent replicas, zeros with
-    DataParallel (README, *Persistent replicas*)."""
+    DataParallel (README, *Persistent replicas*). ``chunked``: compare with the chunked runner."""
     p, f, c = map(_dense, values)
     if unreached_none and p is None and f is not None and not f.any():
         p = f
     assert (p is None) == (f is None), f"{what}: persistent {p} vs fresh {f}"
     if p is not None:
         torch.testing.assert_close(p, f, **TOL, msg=lambda m: f"{what}, persistent vs fresh: {m}")
+    if not chunked:
+        return
     if c is None:
         assert p is None or not p.any(), f"{what}: persistent {p} vs chunked None"
     else:

@@ -73,6 +73,9 @@ class Oracle(RuleBasedStateMachine):
         self.feats, self.n, self.pending, self.launch = feats, n, False, launch
         # a post-accumulate hook, with the reentrant checkpoint: see post_hook()
         self.post_hooked = self.hooked_checkpoint = False
+        # the chunked runner left out of gradient and parameter comparisons from then on: a step
+        # whose accumulation order only DataParallel's algorithm defines (see post_hook())
+        self.fresh_only = False
         self.hooked = False  # a hook on an original (tensor or post-accumulate)
         self.named_only = False  # the last backward named its inputs: see agree()
         model = OracleNet(feats, seed)
@@ -146,7 +149,7 @@ class Oracle(RuleBasedStateMachine):
             loss = "backward"  # a reentrant checkpoint raises for both, after partial work
         if self.hooked_checkpoint:  # see post_hook()
             loss = "backward"
-            zero = "none" if zero == "keep" else zero
+            zero = "none" if zero == "keep" and not self.fresh_only else zero
         if zero != "keep" or "accumulate" in LEFT_OUT:
             self.each(lambda r: r.zero_grad(zero == "none"))
         x, idx = self.batch(b, None if skip is None else SKIP, skip or 0)
@@ -256,6 +259,33 @@ class Oracle(RuleBasedStateMachine):
             agree([o[0] for o in outs], "no_sync first output")
             agree([o[1] for o in outs], "no_sync second output")
         self.pending = True
+
+    @precondition(lambda self: not self.post_hooked or self.launch == "inline")
+    @on("two_forwards")
+    @rule(b1=st.integers(1, 12), b2=st.integers(1, 12), zero=st.booleans())
+    def two_forwards_step(self, b1, b2, zero):
+        """A step calling the wrapper twice before one backward (a GAN's D(real) + D(fake)).
+        With a post-accumulate hook each of DataParallel's ``Broadcast`` nodes accumulates in
+        turn and the hook sees each: the chunked runner is compared no more."""
+        if zero:
+            self.each(lambda r: r.zero_grad(True))
+        x1, i1 = self.batch(b1)
+        x2, i2 = self.batch(b2)
+        w1 = torch.randn(len(x1), D, generator=self.gen, dtype=torch.float64)
+        w2 = torch.randn(len(x2), D, generator=self.gen, dtype=torch.float64)
+
+        def step(r):
+            a = r.forward(x1, i1)
+            b = r.forward(x2, i2, keep=True)
+            r.backward((a * w1).sum() + (b * w2).sum())
+            return a, b
+
+        self.fresh_only |= self.post_hooked
+        self.named_only = False
+        outs = self.each(step)
+        if outs is not None:
+            agree([o[0] for o in outs], "first output")
+            agree([o[1] for o in outs], "second output")
 
     @precondition(lambda self: "data_edit" not in LEFT_OUT)
     @rule(kind=st.sampled_from(["clamp", "mul"]))
@@ -400,19 +430,21 @@ class Oracle(RuleBasedStateMachine):
 
     @precondition(lambda self: "checkpoint" not in self.feats or self.launch == "inline")
     @on("post_hook")
-    @rule()
-    def post_hook(self):
+    @rule(inside=st.booleans())
+    def post_hook(self, inside):
         """Per-parameter clipping / optimizer-in-backward: a hook acting on ``.grad`` after each
-        accumulation, on a parameter outside the checkpoint. With a reentrant checkpoint
-        DataParallel accumulates zeros in each nested backward (hooks see them), the chunked
-        module does not: from then on steps start from ``.grad`` None or zeros, one backward
-        each; inline only (on threads, DataParallel's ``Broadcast`` turn depends on the
-        workers' sequence numbers). No two forwards before one backward from then on: each of
-        DataParallel's ``Broadcast`` nodes accumulates, in the order of their sequence numbers."""
-        self.each(lambda r: r.add_post_hook("lin.bias", halve_grad))
+        accumulation. With a reentrant checkpoint DataParallel accumulates in each nested
+        backward (hooks see it), the chunked module does not: from then on steps start from
+        ``.grad`` None or zeros, one backward each; inline only (on threads, DataParallel's
+        ``Broadcast`` turn depends on the workers' sequence numbers). On a parameter inside the
+        checkpoint (``inside``) the hook sees each replica's part and the outer backward's
+        zeros: only DataParallel's algorithm defines the result."""
+        inside = inside and "checkpoint" in self.feats
+        self.each(lambda r: r.add_post_hook("ck.bias" if inside else "lin.bias", halve_grad))
         self.hooked = True
         self.post_hooked = True
         self.hooked_checkpoint = "checkpoint" in self.feats
+        self.fresh_only |= inside
 
     # --------------------------------------------------------------------------- invariant
 
@@ -427,10 +459,12 @@ class Oracle(RuleBasedStateMachine):
         buffers = [dict(m.named_buffers()) for m in models]
         assert named[0].keys() == named[1].keys() == named[2].keys()
         assert buffers[0].keys() == buffers[1].keys() == buffers[2].keys()
+        chunked = not self.fresh_only
         for name in named[0]:
-            agree([p[name].detach() for p in named], f"parameter {name}")
+            agree([p[name].detach() for p in named], f"parameter {name}", chunked=chunked)
             if not self.pending:
-                agree([p[name].grad for p in named], f".grad of {name}", self.named_only)
+                grads = [p[name].grad for p in named]
+                agree(grads, f".grad of {name}", self.named_only, chunked=chunked)
         for name in buffers[0]:
             agree([b[name] for b in buffers], f"buffer {name}")
         with torch.no_grad():
