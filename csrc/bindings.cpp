@@ -240,7 +240,15 @@ PYBIND11_MODULE(_C, m) {
            "The next allocation fails: 'oom' (returns nothing) or 'error' (throws).")
       .def("set_queries_throw", &fastdp::HostBlockPool::set_queries_throw, py::arg("on"),
            "Event queries and waits throw from now on (as after a device fault).")
-      .def("queries", &fastdp::HostBlockPool::queries, "Event queries and waits so far.");
+      .def("queries", &fastdp::HostBlockPool::queries, "Event queries and waits so far.")
+      .def("end_capture", &fastdp::HostBlockPool::end_capture,
+           "The graph holding the blocks of the capturing acquires since the last call.");
+  py::class_<fastdp::HostGraph>(
+      m, "_HostGraph",
+      "Tests only: a graph of _HostBlockPool's capturing acquires; destroying it (destroy() or "
+      "deleting it) returns its blocks to the pool, as CUDA does with a graph's user objects.")
+      .def("destroy", &fastdp::HostGraph::destroy, "Returns the blocks; later calls do nothing.")
+      .def("blocks", &fastdp::HostGraph::blocks, "Blocks the graph still holds.");
   // See NOTE [ Stream order of host copies ] in cuda/scatter_host_cuda.cu.
   m.def(
       "_host_copy_route",

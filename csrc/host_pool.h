@@ -2,7 +2,9 @@
 // BlockPool over host memory, for tests of the pinned pool's logic in every build: blocks from
 // malloc, events are flags that complete() sets (a wait sets its flag, as a stream reaching the
 // event would). Faults can be injected: allocations that fail (out of memory, or another error)
-// and event queries that throw (a device fault). Bound as fastdp._C._HostBlockPool.
+// and event queries that throw (a device fault). A graph is a HostGraph: destroying it runs the
+// GraphReturns of its blocks, as CUDA runs a graph's user objects. Bound as
+// fastdp._C._HostBlockPool and fastdp._C._HostGraph.
 
 #include <atomic>
 #include <cstdint>
@@ -55,14 +57,40 @@ struct HostFlagBackend {
   }
 };
 
+using HostPoolCore = BlockPool<HostFlagBackend>;
+
+// The graph holding the blocks acquired under one simulated capture. Destroyed (or destroy()): its
+// blocks go back to their pool, which may be gone by then; a moved-from graph holds none.
+class FASTDP_PY_HIDDEN HostGraph {
+ public:
+  explicit HostGraph(std::vector<HostPoolCore::GraphReturn> returns)
+      : returns_(std::move(returns)) {}
+  HostGraph(HostGraph&&) = default;
+  HostGraph& operator=(HostGraph&&) = delete;
+  ~HostGraph() { destroy(); }
+
+  void destroy() {
+    for (HostPoolCore::GraphReturn& r : std::exchange(returns_, {})) r();
+  }
+  int64_t blocks() const { return static_cast<int64_t>(returns_.size()); }
+
+ private:
+  std::vector<HostPoolCore::GraphReturn> returns_;
+};
+
 class FASTDP_PY_HIDDEN HostBlockPool {
  public:
   explicit HostBlockPool(int64_t capacity) : pool_(static_cast<size_t>(capacity)) {}
 
-  // Block handle (0: none) and its size. `capturing`: as under a CUDA graph capture.
+  // Block handle (0: none) and its size. `capturing`: as under a CUDA graph capture, whose graph
+  // holds the block until the HostGraph that end_capture() returns is destroyed.
   uintptr_t acquire(int64_t bytes, bool capturing) {
-    return reinterpret_cast<uintptr_t>(pool_.acquire(static_cast<size_t>(bytes), capturing));
+    Block* b = pool_.acquire(static_cast<size_t>(bytes), capturing);
+    if (b != nullptr && capturing) capture_.push_back(pool_.graph_return(b));
+    return reinterpret_cast<uintptr_t>(b);
   }
+  // The graph of the capturing acquires since the last call.
+  HostGraph end_capture() { return HostGraph(std::exchange(capture_, {})); }
   int64_t size(uintptr_t block) const { return static_cast<int64_t>(get(block)->size); }
   // An event on the lent block, pending until complete(); returns its id.
   int64_t record(uintptr_t block) {
@@ -86,10 +114,11 @@ class FASTDP_PY_HIDDEN HostBlockPool {
   int64_t queries() { return pool_.backend().queries; }
 
  private:
-  using Block = BlockPool<HostFlagBackend>::Block;
+  using Block = HostPoolCore::Block;
   static Block* get(uintptr_t block) { return reinterpret_cast<Block*>(block); }
 
-  BlockPool<HostFlagBackend> pool_;
+  HostPoolCore pool_;
+  std::vector<HostPoolCore::GraphReturn> capture_;
   std::map<int64_t, HostFlagBackend::Event> events_;
   int64_t last_ = 0;
 };

@@ -36,13 +36,14 @@ inline size_t pinned_size_class(size_t bytes, size_t capacity) {
 // One pooled block. `events` are recorded by the block's holder while it is lent and read by the
 // pool only while it is not. A list: erasing from a vector move-assigns the survivors, and c10's
 // CUDAEvent move-assign overwrites its event without destroying it (every completed event leaked).
-// `graph`: lent during a CUDA graph capture, held for good (NOTE [ Pinned blocks and graphs ]).
+// `lent`: a handle holds it. `graph`: the id of the graph hold a capturing acquire gave it (0:
+// none), out of the pool until that graph is destroyed (NOTE [ Pinned blocks and graphs ]).
 template <class Event>
 struct PoolBlock {
   void* ptr = nullptr;
   size_t size = 0;
   bool lent = false;
-  bool graph = false;
+  uint64_t graph = 0;
   uint64_t released_at = 0;
   std::list<Event> events;
 };
@@ -51,23 +52,56 @@ struct PoolBlock {
 // While a CUDA graph is being captured no event may be queried or waited on (an error, or in
 // relaxed mode an event that later queries fail on), no pinned memory freed (an implicit sync),
 // and a block the capture reads is read again by every replay. So a capturing acquire never
-// queries, waits or frees: it takes a block with no events left or allocates one, and that block
-// is held by the graph for good (never lent again; no events are recorded on it), as torch's host
-// allocator does with blocks used during capture. Held blocks count against the capacity; once it
-// is spent a capturing acquire gets nothing and the caller raises or takes a capturable path.
-// release() and stats() never query events either, so they cannot throw a device's error.
+// queries, waits or frees: it takes an idle block with no events left or allocates one, and the
+// graph holds it (no events are recorded on it) until its GraphReturn runs: CUDA calls it, through
+// a user object of the graph, once the graph and every executable made from it are destroyed and
+// their launches done, so the block comes back idle. Held blocks count against the capacity; once
+// it is spent a capturing acquire gets nothing and the caller raises or takes a capturable path.
+// release(), stats() and a GraphReturn never query events, so they cannot throw a device's error.
 
 // Backend: `using Event`; void* alloc(size_t) (nullptr when out of memory; throws on any other
 // error); void free(void*); bool done(Event&) (non-blocking); void wait(Event&) (blocks).
 template <class Backend>
 class BlockPool {
+  struct Alive {  // the pool as graph returns reach it: null once it is destroyed
+    std::mutex mu;
+    BlockPool* pool = nullptr;
+  };
+
  public:
   using Event = typename Backend::Event;
   using Block = PoolBlock<Event>;
 
-  explicit BlockPool(size_t capacity) : capacity_(capacity) {}
+  // A graph's hold on one block, handed back by calling it (once; later calls do nothing). Safe
+  // from any thread, after the pool was emptied (the block comes back idle) or destroyed (nothing
+  // happens; the block's memory stays allocated). Takes the pool's lock, calls no backend.
+  class GraphReturn {
+   public:
+    void operator()() noexcept {
+      const std::shared_ptr<Alive> alive = std::move(alive_);
+      if (alive == nullptr) return;
+      std::lock_guard<std::mutex> lock(alive->mu);
+      if (alive->pool != nullptr) alive->pool->graph_returned(block_, hold_);
+    }
+
+   private:
+    friend class BlockPool;
+    GraphReturn(std::shared_ptr<Alive> alive, Block* block, uint64_t hold)
+        : alive_(std::move(alive)), block_(block), hold_(hold) {}
+    std::shared_ptr<Alive> alive_;
+    Block* block_;
+    uint64_t hold_;
+  };
+
+  explicit BlockPool(size_t capacity) : capacity_(capacity), alive_(std::make_shared<Alive>()) {
+    alive_->pool = this;
+  }
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
+  ~BlockPool() {
+    std::lock_guard<std::mutex> lock(alive_->mu);
+    alive_->pool = nullptr;
+  }
 
   // A lent block of at least `bytes`, or nullptr (bytes == 0 or above the capacity, out of
   // memory, or every block lent). Allocates only when no block of the class is idle and the
@@ -80,7 +114,7 @@ class BlockPool {
     const size_t cls = pinned_size_class(bytes, capacity_);
     if (capturing) {
       for (Block* b : by_class_[cls]) {
-        if (!b->lent && b->events.empty()) return hold_for_graph(b);
+        if (!b->lent && b->graph == 0 && b->events.empty()) return hold_for_graph(b);
       }
       std::vector<void*> none;
       Block* b = reserved_ + cls <= capacity_ ? allocate(lock, cls, none) : nullptr;
@@ -121,11 +155,17 @@ class BlockPool {
   }
 
   // Returns a lent block; its recorded events decide when it is lent again (a block held by a
-  // graph stays out). Never queries an event and never throws a backend's error.
+  // graph stays out until its GraphReturn). Never queries an event, never throws a backend's error.
   void release(Block* b) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!b->graph) b->lent = false;
+    b->lent = false;
     b->released_at = ++clock_;
+  }
+
+  // The return of the graph hold on `b` (lent by a capturing acquire; a no-op for any other).
+  GraphReturn graph_return(Block* b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return GraphReturn(alive_, b, b->graph);
   }
 
   // Counters; in_flight: blocks not lent whose events are not yet seen complete. Queries nothing.
@@ -133,7 +173,7 @@ class BlockPool {
     std::lock_guard<std::mutex> lock(mu_);
     int64_t lent = 0, in_flight = 0, graph = 0;
     for (auto& b : blocks_) {
-      if (b->graph) {
+      if (b->graph != 0) {
         graph += static_cast<int64_t>(b->size);
       } else if (b->lent) {
         lent += static_cast<int64_t>(b->size);
@@ -146,6 +186,7 @@ class BlockPool {
             {"lent", lent},
             {"in_flight", in_flight},
             {"graph_held", graph},
+            {"graph_returns", graph_returns_},
             {"blocks", static_cast<int64_t>(blocks_.size())},
             {"allocations", allocations_},
             {"frees", frees_},
@@ -191,8 +232,18 @@ class BlockPool {
   }
 
   Block* hold_for_graph(Block* b) {
-    b->graph = true;
+    b->graph = ++holds_;
     return lend(b);
+  }
+
+  // Called by a GraphReturn while the pool lives: `hold` is over, the block is lent again once
+  // its handle released it too. The block exists: one held by a graph is never freed.
+  void graph_returned(Block* b, uint64_t hold) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (hold == 0 || b->graph != hold) return;
+    b->graph = 0;
+    b->released_at = ++clock_;
+    ++graph_returns_;
   }
 
   // A new lent block of class `cls` (room checked by the caller), allocated without the lock
@@ -227,7 +278,7 @@ class BlockPool {
 
   // Whether every event recorded on the block completed; drops those that did.
   bool idle(Block& b) {
-    if (b.lent) return false;
+    if (b.lent || b.graph != 0) return false;
     b.events.remove_if([this](Event& e) { return backend_.done(e); });
     return b.events.empty();
   }
@@ -236,7 +287,7 @@ class BlockPool {
     Block* same = nullptr;
     Block* any = nullptr;
     for (auto& b : blocks_) {
-      if (b->lent || b->events.empty()) continue;
+      if (b->lent || b->graph != 0 || b->events.empty()) continue;
       if (b->size == cls && (same == nullptr || b->released_at < same->released_at)) same = b.get();
       if (any == nullptr || b->released_at < any->released_at) any = b.get();
     }
@@ -268,10 +319,11 @@ class BlockPool {
   std::mutex mu_;
   size_t capacity_;
   size_t reserved_ = 0;
-  int64_t allocations_ = 0, frees_ = 0, waits_ = 0;
-  uint64_t clock_ = 0;
+  int64_t allocations_ = 0, frees_ = 0, waits_ = 0, graph_returns_ = 0;
+  uint64_t clock_ = 0, holds_ = 0;
   std::vector<std::unique_ptr<Block>> blocks_;
   std::map<size_t, std::list<Block*>> by_class_;  // every block by size class, lent or not
+  std::shared_ptr<Alive> alive_;
 };
 
 }  // namespace fastdp

@@ -10,8 +10,9 @@
 
 namespace fastdp {
 
-// (key, value) counters of the pinned pool: capacity, reserved, lent, in_flight, graph_held (bytes),
-// blocks, allocations, frees, waits. Empty in a CPU-only build. See NOTE [ Pinned staging ].
+// (key, value) counters of the pinned pool: capacity, reserved, lent, in_flight, graph_held
+// (bytes), graph_returns (blocks given back by destroyed graphs), blocks, allocations, frees,
+// waits. Empty in a CPU-only build. See NOTE [ Pinned staging ].
 std::vector<std::pair<std::string, int64_t>> pinned_pool_stats();
 
 // Sets the pool capacity in bytes, freeing idle blocks beyond it; returns the previous capacity

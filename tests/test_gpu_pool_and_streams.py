@@ -61,6 +61,36 @@ def test_a_gather_captured_after_warm_up_replays_right_and_leaves_the_pool_worki
     assert pool()["graph_held"] > 0
 
 
+def test_re_captures_never_spend_a_small_pool_once_each_graph_is_destroyed() -> None:
+    """Each capture of a gather lends the copy kernel's metadata block to its graph; destroying
+    the graph returns it (NOTE [ Pinned blocks and graphs ]): a thousand captures through a pool
+    of 128 blocks, where the 129th capture raised while graphs kept their blocks. CUDA runs a
+    user object's destructor soon after the graph goes, not at once: hence the slack."""
+    a, b = torch.randn(256, 64, device="cuda"), torch.randn(128, 64, device="cuda")
+    comm.gather([a, b], 0, 0)  # warm-up outside any capture
+    torch.cuda.synchronize()
+    ext.pinned_pool_empty_cache()  # no idle block of another class takes the small capacity
+    old = ext.pinned_pool_set_capacity(8 * MiB)  # 128 blocks of the metadata's 64 KiB class
+    returns = pool()["graph_returns"]
+    try:
+        stream = torch.cuda.Stream()
+        for i in range(1000):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                g.capture_begin()
+                out = comm.gather([a, b], 0, 0)
+                g.capture_end()
+            if i % 250 == 0:
+                g.replay()
+                torch.cuda.synchronize()
+                torch.testing.assert_close(out, torch.cat([a, b]), rtol=0, atol=0)
+            del g, out
+        torch.cuda.synchronize()
+        assert pool()["graph_returns"] - returns >= 1000 - 128
+    finally:
+        ext.pinned_pool_set_capacity(old)
+
+
 def test_pool_counters_can_be_read_inside_a_capture() -> None:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

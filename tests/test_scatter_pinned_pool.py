@@ -131,12 +131,75 @@ def test_a_capturing_acquire_never_queries_or_waits_on_events() -> None:
     assert pool.queries() == queries and s["waits"] == 0 and s["graph_held"] == MiB
 
 
-def test_a_block_lent_during_capture_is_never_lent_again() -> None:
+def test_a_block_lent_during_capture_is_not_lent_again_while_its_graph_lives() -> None:
     pool = ext._HostBlockPool(256 * MiB)
     held = pool.acquire(MiB, capturing=True)
     pool.release(held)  # its graph still reads it on every replay
     assert pool.acquire(MiB) != held and pool.acquire(MiB, capturing=True) != held
     assert stats(pool)["graph_held"] == 2 * MiB
+
+
+def test_re_captures_never_spend_the_pool_once_each_graph_is_destroyed() -> None:
+    """A capturing acquire lends its block to the graph; destroying the graph (CUDA runs the
+    user object's destructor) gives it back: re-captures reuse the same blocks."""
+    pool = ext._HostBlockPool(4 * MiB)
+    for _ in range(50):
+        held = [pool.acquire(MiB, capturing=True) for _ in range(4)]
+        assert all(held) and pool.acquire(MiB, capturing=True) == 0  # the capacity is spent
+        for b in held:
+            pool.release(b)  # the capture's handles end: the graph still holds the blocks
+        assert pool.acquire(MiB) == 0 and stats(pool)["graph_held"] == 4 * MiB
+        graph = pool.end_capture()
+        assert graph.blocks() == 4
+        graph.destroy()
+        assert sorted(pool.acquire(MiB) for _ in range(4)) == sorted(held)  # idle, no events
+        for b in held:
+            pool.release(b)
+    s = stats(pool)
+    assert s["graph_held"] == 0 and s["lent"] == 0 and s["in_flight"] == 0
+    assert s["graph_returns"] == 200 and s["allocations"] == 4 and s["reserved"] == 4 * MiB
+
+
+def test_a_block_whose_graph_is_destroyed_before_its_release_is_lent_once_released() -> None:
+    pool = ext._HostBlockPool(MiB)
+    b = pool.acquire(MiB, capturing=True)
+    pool.end_capture().destroy()  # e.g. a capture invalidated while the copy still holds it
+    assert pool.acquire(MiB) == 0 and pool.acquire(MiB, capturing=True) == 0
+    pool.release(b)
+    assert pool.acquire(MiB) == b and pool.acquire(MiB) == 0  # lent once
+
+
+def test_a_graph_returns_its_blocks_once_whatever_is_lent_after() -> None:
+    pool = ext._HostBlockPool(MiB)
+    b = pool.acquire(MiB, capturing=True)
+    pool.release(b)
+    old = pool.end_capture()
+    old.destroy()
+    assert pool.acquire(MiB, capturing=True) == b  # reused by the next capture
+    pool.release(b)
+    old.destroy()  # returns nothing more: the next graph still holds the block
+    assert pool.acquire(MiB) == 0 and old.blocks() == 0
+    graph = pool.end_capture()
+    del graph  # deleting a graph returns its blocks, as destroy() does
+    assert pool.acquire(MiB) == b and stats(pool)["graph_returns"] == 2
+
+
+def test_a_graph_destroyed_after_its_pool_was_trimmed_or_destroyed_is_safe() -> None:
+    pool = ext._HostBlockPool(4 * MiB)
+    pool.release(pool.acquire(2 * MiB, capturing=True))
+    graph = pool.end_capture()
+    pool.empty_cache()
+    pool.set_capacity(MiB)  # the held block stays: its graph may read it
+    assert stats(pool)["reserved"] == 2 * MiB and stats(pool)["frees"] == 0
+    graph.destroy()
+    pool.empty_cache()  # idle now: freed
+    assert stats(pool)["reserved"] == 0 and stats(pool)["frees"] == 1
+    pool = ext._HostBlockPool(MiB)
+    pool.acquire(MiB, capturing=True)
+    graph = pool.end_capture()
+    del pool  # the graph outlives its pool: its return finds nothing to give back to
+    graph.destroy()
+    assert graph.blocks() == 0
 
 
 def test_a_capturing_acquire_reuses_an_idle_block() -> None:

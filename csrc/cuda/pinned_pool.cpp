@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <optional>
 
@@ -73,12 +74,50 @@ Pool& pool() {
   return *p;
 }
 
+// A graph's user object's destructor: on a CUDA thread, so it calls no CUDA API (nor throws).
+void CUDART_CB run_graph_return(void* r) {
+  const std::unique_ptr<Pool::GraphReturn> owned(static_cast<Pool::GraphReturn*>(r));
+  (*owned)();
+}
+
+// Gives `r` to `graph`, being captured, as a user object that CUDA destroys once the graph and
+// every executable made from it are destroyed and their launches done. One user object per
+// capturing acquire, not per capture: no registry of captures and of when each ends; a capture
+// makes few acquires, once. Without a graph (an invalidated capture runs nothing) or when CUDA
+// refuses, the hold ends now (nothing captured reads the block yet) and the error is raised.
+void hand_to_graph(Pool::GraphReturn r, cudaGraph_t graph) {
+  if (graph == nullptr) return r();
+  auto owned = std::make_unique<Pool::GraphReturn>(std::move(r));
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
+  cudaUserObject_t object = nullptr;
+  cudaError_t err = cudaUserObjectCreate(&object, owned.get(), run_graph_return, 1,
+                                         cudaUserObjectNoDestructorSync);
+  if (err != cudaSuccess) (*owned)();
+  C10_CUDA_CHECK(err);
+  owned.release();  // run_graph_return deletes it
+  err = cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove);
+  if (err != cudaSuccess) C10_CUDA_CHECK_WARN(cudaUserObjectRelease(object));  // runs it
+  C10_CUDA_CHECK(err);
+}
+
+// The capture status of `stream` and, while a capture is active, its graph.
+cudaGraph_t capture_graph(const c10::cuda::CUDAStream& stream, cudaStreamCaptureStatus* status) {
+  cudaGraph_t graph = nullptr;
+#if CUDART_VERSION >= 13000
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, status, nullptr, &graph));
+#else
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v2(stream, status, nullptr, &graph));
+#endif
+  return *status == cudaStreamCaptureStatusActive ? graph : nullptr;
+}
+
 }  // namespace
 
 PinnedBlock& PinnedBlock::operator=(PinnedBlock&& other) noexcept {
   if (this != &other) {
     reset();
     state_ = std::exchange(other.state_, nullptr);
+    captured_ = other.captured_;
   }
   return *this;
 }
@@ -88,7 +127,7 @@ void* PinnedBlock::data() const { return state_->ptr; }
 size_t PinnedBlock::size() const { return state_->size; }
 
 void PinnedBlock::record(const c10::cuda::CUDAStream& stream) {
-  if (state_->graph) return;  // held by a graph for good: NOTE [ Pinned blocks and graphs ]
+  if (captured_) return;  // held by its graph: NOTE [ Pinned blocks and graphs ]
   at::cuda::CUDAEvent event;
   event.record(stream);
   state_->events.push_back(std::move(event));
@@ -105,7 +144,13 @@ bool stream_capturing(const c10::cuda::CUDAStream& stream) {
 }
 
 PinnedBlock pinned_acquire(size_t bytes, const c10::cuda::CUDAStream& stream) {
-  return PinnedBlock(pool().acquire(bytes, stream_capturing(stream)));
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaGraph_t graph = capture_graph(stream, &status);
+  const bool capturing = status != cudaStreamCaptureStatusNone;
+  Pool::Block* b = pool().acquire(bytes, capturing);
+  PinnedBlock block(b, capturing);  // back to the pool if the hand-over throws
+  if (b != nullptr && capturing) hand_to_graph(pool().graph_return(b), graph);
+  return block;
 }
 
 std::vector<std::pair<std::string, int64_t>> pinned_pool_stats() { return pool().stats(); }

@@ -27,8 +27,9 @@ using PinnedBlockState = PoolBlock<at::cuda::CUDAEvent>;
 class PinnedBlock {
  public:
   PinnedBlock() = default;
-  explicit PinnedBlock(PinnedBlockState* state) : state_(state) {}
-  PinnedBlock(PinnedBlock&& other) noexcept : state_(std::exchange(other.state_, nullptr)) {}
+  PinnedBlock(PinnedBlockState* state, bool captured) : state_(state), captured_(captured) {}
+  PinnedBlock(PinnedBlock&& other) noexcept
+      : state_(std::exchange(other.state_, nullptr)), captured_(other.captured_) {}
   PinnedBlock& operator=(PinnedBlock&& other) noexcept;
   PinnedBlock(const PinnedBlock&) = delete;
   PinnedBlock& operator=(const PinnedBlock&) = delete;
@@ -38,13 +39,14 @@ class PinnedBlock {
   void* data() const;
   size_t size() const;
   // Marks the block in use by the work enqueued so far on `stream` (any device). Nothing for a
-  // block held by a graph (no event is recorded during a capture).
+  // block lent during a capture (its graph holds it; no event is recorded during a capture).
   void record(const c10::cuda::CUDAStream& stream);
   // Returns the block to the pool now (after its recorded events, for reuse).
   void reset();
 
  private:
   PinnedBlockState* state_ = nullptr;
+  bool captured_ = false;  // lent by a capturing acquire
 };
 
 // A block of at least `bytes` (> 0) bytes, of a fixed size class (pinned_size_class), for copies
@@ -52,7 +54,8 @@ class PinnedBlock {
 // outside the pool's lock, never a device sync). Empty when bytes exceed the capacity
 // (FASTDP_PINNED_POOL_MB, default 256; 0 disables staging), every block is lent, or cudaHostAlloc
 // runs out of memory (other CUDA errors throw). While `stream` is being captured into a CUDA
-// graph the block is the graph's for good: NOTE [ Pinned blocks and graphs ].
+// graph that graph holds the block until it and its executables are destroyed: NOTE [ Pinned
+// blocks and graphs ].
 PinnedBlock pinned_acquire(size_t bytes, const c10::cuda::CUDAStream& stream);
 
 // Whether `stream` is being captured into a CUDA graph.
