@@ -290,6 +290,9 @@ class Scorer(nn.Module):
             out = out * mask[:, None]
         return {"out": out, "calls": torch.full((x.shape[0],), float(self.calls))}
 
+    def twice(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2
+
     def outer(self, x: torch.Tensor) -> torch.Tensor:
         return self.again(x)  # a plain attribute: the wrapper, called from inside a replica
 
@@ -390,3 +393,15 @@ def test_fewer_rows_than_replicas_use_fewer_replicas(built, rows):
     kw = {k: v[:rows] if isinstance(v, torch.Tensor) else v for k, v in _inputs("llama").items()}
     want, _ = _reference(module, kw, 3)
     assert torch.equal(FastDataParallel(module, device_ids=["cpu"] * 3).generate(**kw), want)
+
+
+def test_auto_measures_each_method_apart():
+    """``launch="auto"`` keeps one measurement per method: a method's cost is not forward's."""
+    torch.manual_seed(0)
+    module = Scorer()
+    fdp = FastDataParallel(module, device_ids=["cpu"] * 2, launch="auto")
+    x = torch.randn(4, 4)
+    with torch.no_grad():  # the same inputs, two methods: two records
+        assert_close(fdp.call_method("twice", x), module.lin(x) * 2)
+        assert_close(fdp.call_method("lin", x), module.lin(x))  # a submodule is called too
+    assert [r["method"] for r in fdp.launch_report()] == ["twice", "lin"]
