@@ -405,3 +405,18 @@ def test_auto_measures_each_method_apart():
         assert_close(fdp.call_method("twice", x), module.lin(x) * 2)
         assert_close(fdp.call_method("lin", x), module.lin(x))  # a submodule is called too
     assert [r["method"] for r in fdp.launch_report()] == ["twice", "lin"]
+
+
+def test_generate_takes_uneven_chunk_sizes(built):
+    """``chunk_sizes=`` splits generate's batch as forward's: beam indices shift by each
+    replica's own rows."""
+    module = built["llama"]
+    kw = dict(_inputs("llama"), num_beams=2, return_dict_in_generate=True, output_scores=True)
+    chunks = [
+        {k: v[a:b] if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        for a, b in ((0, 1), (1, BATCH))
+    ]
+    outs = [module.generate(**c) for c in chunks]
+    want = expected(outs, [1, BATCH - 1], beams=2)
+    fdp = FastDataParallel(module, device_ids=["cpu"] * 2, chunk_sizes=[1, BATCH - 1])
+    _assert_same(fdp.generate(**kw), want, outs)
