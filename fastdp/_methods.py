@@ -4,12 +4,12 @@ The step is forward's (plan, scatter, refresh, launch, gather: ``FastDataParalle
 with each replica's bound method in the place of its forward (``fastdp._runners.BoundMethod``).
 What differs lives here: the checks made before the step, and ``generate``'s gather.
 
-``generate``'s gather (docs/features.md, *Generation*): sequences of different lengths are
-right-padded with the pad token (the call's ``pad_token_id``, else its ``generation_config``'s,
-else the module's; else the EOS token in the same order), per-step tuples (``scores``,
-``logits``, attentions, hidden states) padded with zeros over the steps a replica did not take,
-``beam_indices`` with -1 and shifted to index the gathered rows, the cache returned as a list of
-each replica's; every other field gathered as ``forward``'s outputs are.
+``generate``'s gather (docs/features.md, *Generation and any method*): sequences of different
+lengths are right-padded with the pad token (the call's ``pad_token_id``, else its
+``generation_config``'s, else the module's; else the EOS token in the same order), per-step
+tuples (``scores``, ``logits``, attentions, hidden states) padded with zeros over the steps a
+replica did not take, ``beam_indices`` with -1 and shifted to index the gathered rows, the cache
+returned as a list of each replica's; every other field gathered as ``forward``'s outputs are.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def check_batch(args: tuple, kwargs: dict, dim: int) -> None:
     names = _tree.paths(spec, "", {}) if spec is not None else {}
     where = ", ".join(f"{_name(names.get(i), i)} ({n} rows)" for i, n in sizes.items())
     raise ValueError(
-        f"fastdp: the inputs of one call must have the same batch size along dim {dim}, but "
-        f"{where}; each replica takes the same rows of every input"
+        f"fastdp: every tensor input of one call must have the same rows along dim {dim}, but "
+        f"{where} differ; each replica takes the same rows of every input"
     )
 
 

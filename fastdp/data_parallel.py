@@ -100,6 +100,8 @@ class FastDataParallel(DataParallel):
             losses each replica normalised by a global count and used as they are; not for HF
             Trainer, which multiplies by n_gpu: keep the default ``"stack"`` there).
 
+    ``generate`` and ``call_method`` run a method of the module (Hugging Face's ``generate``, any
+    other by name) on every replica with ``forward``'s step: see ``docs/features.md``.
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
     ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp/_state_dict.py``.
