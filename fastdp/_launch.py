@@ -32,6 +32,7 @@ from torch.nn import Module
 from fastdp import _tree
 from fastdp._compiled import backward_with_forward
 from fastdp._runners import (
+    BoundMethod,
     capture_state,
     raise_first_error,
     run_in_turn,
@@ -193,7 +194,8 @@ class Auto(Strategy):
         if pool is None:
             self.last = "threads"
             return THREADS.run(modules, inputs, kwargs, devices)
-        key = (tuple(devices), input_key(inputs, kwargs), torch.is_grad_enabled())
+        called = modules[0].name if modules and isinstance(modules[0], BoundMethod) else None
+        key = (tuple(devices), input_key(inputs, kwargs), torch.is_grad_enabled(), called)
         name, timed = self.pick(key)
         self.last = name
         t0 = time.perf_counter()
@@ -246,6 +248,7 @@ class Auto(Strategy):
                 "devices": [str(d) for d in key[0]],
                 "inputs": repr(key[1]),
                 "grad": key[2],
+                "method": key[3] if len(key) > 3 else None,  # None: forward
                 "choice": e.choice,
                 "trials": e.trials,
             }
@@ -308,6 +311,7 @@ def launch(
     together: bool = False,
     order: Order = Order.ANY,
     record: dict[str, str | None] | None = None,
+    method: str | None = None,
 ) -> list[Any]:
     """Run ``modules[i](*inputs[i], **kwargs[i])`` on ``devices[i]``: the whole launch decision.
 
@@ -317,8 +321,9 @@ def launch(
     then means threads; threads of an interrupted one-off call are waited for first).
     ``together``: the replicas are armed to meet during forward (``replicas_meet``): threads,
     whatever was asked; ``order``: what their replica set requires (``ReplicaSet.launch_order``).
-    ``record["launch"]`` gets the strategy that ran, also when interrupted. The first replica
-    error is raised (``raise_first_error``).
+    ``record["launch"]`` gets the strategy that ran, also when interrupted. ``method``: each
+    replica's method of that name runs in place of the replica's forward (``BoundMethod``; the
+    decisions above are the same). The first replica error is raised (``raise_first_error``).
     """
     n = len(modules)
     _check_lengths("inputs", n, len(inputs))
@@ -339,6 +344,8 @@ def launch(
         compiling_backward = order is Order.IN_TURN_COMPILING_BACKWARD
     if pool is None:
         wait_for_stragglers()
+    if method is not None:
+        modules = [BoundMethod(m, method) for m in modules]
     try:
         if compiling_backward:
             with backward_with_forward():

@@ -26,6 +26,7 @@ from fastdp._devices import public_id
 from fastdp._torch_private import ExceptionWrapper
 
 __all__ = [
+    "BoundMethod",
     "capture_state",
     "current_launch",
     "launch_number",
@@ -51,6 +52,19 @@ def launch_number() -> int:
 def current_launch() -> int | None:
     """The number of the launch (``capture_state``) whose replica this thread runs, else None."""
     return getattr(_local, "launch", None)
+
+
+class BoundMethod:
+    """Replica ``module``'s method ``name``, run by a launch in the replica's place: a call is
+    ``getattr(module, name)(*args, **kwargs)`` (``FastDataParallel.generate``, ``call_method``)."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: Module, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, self.name)(*args, **kwargs)
 
 
 class ReplicaAborted(RuntimeError):

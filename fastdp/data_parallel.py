@@ -22,6 +22,7 @@ from fastdp import _backend, _buckets, _launch, _torch_private, _transports
 from fastdp._compiled import context_from_options, is_compiled, untraced_forward
 from fastdp._devices import as_device, as_devices, public_id
 from fastdp._launch import Order
+from fastdp._methods import MethodCall, generate_call, method_call
 from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
 from fastdp._reducer import fold
 from fastdp._replica_set import NotCacheable, ReplicaSet, tensor_signature
@@ -99,6 +100,8 @@ class FastDataParallel(DataParallel):
             losses each replica normalised by a global count and used as they are; not for HF
             Trainer, which multiplies by n_gpu: keep the default ``"stack"`` there).
 
+    ``generate`` and ``call_method`` run a method of the module (Hugging Face's ``generate``, any
+    other by name) on every replica with ``forward``'s step: see ``docs/features.md``.
     SyncBatchNorm layers (``nn.SyncBatchNorm.convert_sync_batchnorm``) are synchronised across
     the replicas, and ``__data_parallel_replicate__`` callbacks run: see ``fastdp.sync_batchnorm``.
     ``load_state_dict`` takes ``module.``-prefixed and bare keys: see ``fastdp/_state_dict.py``.
@@ -234,40 +237,66 @@ class FastDataParallel(DataParallel):
             return untraced_forward(self, inputs, kwargs)
         return self._forward(inputs, kwargs, self._compile_ctx)
 
-    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any], ctx: Any) -> Any:
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``generate`` (Hugging Face's, or any of that name) on every replica at
+        once, the batch split as ``forward``'s; sequences right-padded with the pad token (else
+        EOS) where replicas stopped at different lengths. See *Generation and any method* in
+        ``docs/features.md`` for the fields of a ``return_dict_in_generate`` output."""
+        call = generate_call(self.module, args, kwargs, self.dim, len(self.device_ids))
+        return self._forward(args, kwargs, self._compile_ctx, call)
+
+    def call_method(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``getattr(replica, name)(*args, **kwargs)`` on every replica at once, with
+        ``forward``'s scatter and gather (an ``encode``, a ``predict_step``); every tensor input
+        must have the same batch size. See *Generation and any method* in ``docs/features.md``."""
+        call = method_call(self.module, name, args, kwargs, self.dim, len(self.device_ids))
+        return self._forward(args, kwargs, self._compile_ctx, call)
+
+    def _forward(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ctx: Any,
+        call: MethodCall | None = None,
+    ) -> Any:
         """One step: plan -> scatter -> replicate (refresh) -> parallel_apply -> gather; the
-        reduce runs in backward (fastdp/_reducer.py)."""
-        with _record_function("FastDataParallel.forward"):
+        reduce runs in backward (fastdp/_reducer.py). ``call``: a method in forward's place."""
+        with _record_function("FastDataParallel.forward" if call is None else call.label):
             self._start_step()
             plan = self._plan(inputs, kwargs, ctx)
             if plan.unreplicated:
-                return self._direct(self._module_for(ctx)(*inputs, **kwargs), plan)
+                return self._direct(self._callee(ctx, call)(*inputs, **kwargs), plan)
             inputs, module_kwargs = self._scatter_step(plan, inputs, kwargs)
             if not inputs and not module_kwargs:
                 inputs, module_kwargs = ((),), ({},)
             if len(self.device_ids) == 1:
-                return self._direct(self._module_for(ctx)(*inputs[0], **module_kwargs[0]), plan)
+                return self._direct(self._callee(ctx, call)(*inputs[0], **module_kwargs[0]), plan)
             if not self._step_lock.acquire(blocking=False):  # NOTE [ Concurrent calls ]
-                return self._fresh_step(plan, inputs, module_kwargs)
+                return self._fresh_step(plan, inputs, module_kwargs, call)
             try:
                 replicas = self._replicate_step(plan, len(inputs))
-                outputs = self._launch_step(plan, replicas, inputs, module_kwargs)
+                outputs = self._launch_step(plan, replicas, inputs, module_kwargs, call)
             finally:
                 self._step_lock.release()
-            return self._gather_step(plan, outputs, inputs, module_kwargs)
+            return self._gather_step(plan, outputs, inputs, module_kwargs, call)
 
     # NOTE [ Concurrent calls ]
     # DataParallel builds replicas per call, so two threads may call one wrapper (inference
     # servers do). The persistent replicas serve one call at a time, from its replicate to
     # the end of its launch; a call made meanwhile (another thread's, or a replica's forward
     # calling the wrapper again) replicates afresh, DataParallel's algorithm, for itself.
-    def _fresh_step(self, plan: StepPlan, inputs: Sequence[Any], kwargs: Sequence[Any]) -> Any:
+    def _fresh_step(
+        self, plan: StepPlan, inputs: Sequence[Any], kwargs: Sequence[Any], call: MethodCall | None
+    ) -> Any:
         """A step on fresh replicas, for a call made while the persistent ones serve another."""
         devs = plan.devices[: len(inputs)]
         replicas = replicate(self.module, devs, not torch.is_grad_enabled())
+        method = None if call is None else call.name
         with prepare_replicas(replicas):
-            outputs = parallel_apply(replicas, inputs, kwargs, devs, launch="threads")
-        return self._gather_step(plan, outputs, inputs, kwargs)
+            outputs = parallel_apply(
+                replicas, inputs, kwargs, devs, launch="threads", method=method
+            )
+        return self._gather_step(plan, outputs, inputs, kwargs, call)
 
     def _start_step(self) -> None:
         self._comm.update(_ZERO_STATS)
@@ -297,10 +326,17 @@ class FastDataParallel(DataParallel):
         return self.replicate(self.module, ids)  # a subclass's seam: DataParallel's signature
 
     def _launch_step(
-        self, plan: StepPlan, replicas: list[Module], inputs: Sequence[Any], kwargs: Sequence[Any]
+        self,
+        plan: StepPlan,
+        replicas: list[Module],
+        inputs: Sequence[Any],
+        kwargs: Sequence[Any],
+        call: MethodCall | None = None,
     ) -> list[Any]:
         """Arm the replicas where they meet in forward, then the ``parallel_apply`` seam."""
         on = {"devices": plan.devices[: len(inputs)]} if plan.custom_split else {}
+        if call is not None:
+            on["method"] = call.name
         rs = self._set_of(replicas)
         if rs is not None and rs.launch_order() is not Order.TOGETHER:  # nothing to arm
             outputs = self.parallel_apply(replicas, inputs, kwargs, **on)
@@ -319,15 +355,26 @@ class FastDataParallel(DataParallel):
         return None
 
     def _gather_step(
-        self, plan: StepPlan, outputs: list[Any], inputs: Sequence[Any], kwargs: Sequence[Any]
+        self,
+        plan: StepPlan,
+        outputs: list[Any],
+        inputs: Sequence[Any],
+        kwargs: Sequence[Any],
+        call: MethodCall | None = None,
     ) -> Any:
         if not self.gather_output:  # [beyond DP]
             n = len(outputs)
             return Scattered(outputs, plan.chunk_rows(n), plan.devices[:n], self.dim, self._output)
+        if call is not None and call.gather is not None:
+            return call.gather(outputs, inputs, kwargs, self._output)
         if self.scalar_outputs == "stack":
             return self.gather(outputs, self.output_device)
         rows = [_rows(i, k, self.dim) for i, k in zip(inputs, kwargs)]
         return self.gather(outputs, self.output_device, weights=rows)
+
+    def _callee(self, ctx: Any, call: MethodCall | None) -> Any:
+        """What a step without replicas calls: the module (``_module_for``) or its method."""
+        return self._module_for(ctx) if call is None else getattr(self.module, call.name)
 
     def _module_for(self, ctx: Any) -> Module:
         """The module to call directly (no replicas), compiled with the wrapper's ``ctx``."""
@@ -515,11 +562,14 @@ class FastDataParallel(DataParallel):
         devices: Sequence[Any] | None = None,
         *,
         launch: str | None = None,
+        method: str | None = None,
     ) -> list[Any]:
         """DataParallel's seam: ``replicas[i](*inputs[i], **kwargs[i])`` on ``devices[i]``
         (default: the wrapper's first ``len(replicas)`` devices). ``launch`` overrides the
         wrapper's strategy for this call; what overrides both (replicas that meet, compiled
-        replica sets) is decided by ``fastdp._launch.launch`` from its arguments."""
+        replica sets) is decided by ``fastdp._launch.launch`` from its arguments. ``method``:
+        each replica's method of that name in place of its forward (``generate``,
+        ``call_method``; a subclass overriding this seam takes it for those calls)."""
         n = len(replicas)
         devs = self._devices[:n] if devices is None else [as_device(d) for d in devices]
         rs = self._set_of(replicas)
@@ -538,6 +588,7 @@ class FastDataParallel(DataParallel):
             together=replicas_meet(replicas),
             order=Order.ANY if rs is None else rs.launch_order(),
             record=self._last,
+            method=method,
         )
 
     @property

@@ -58,6 +58,7 @@ def parallel_apply(
     devices: Sequence[Any] | None = None,
     *,
     launch: str | None = None,
+    method: str | None = None,
 ) -> list[Any]:
     """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel.
 
@@ -67,8 +68,15 @@ def parallel_apply(
     thread); default ``FASTDP_LAUNCH``, else threads (``"auto"`` needs the state a
     ``FastDataParallel`` keeps between steps, so here it means threads). Replicas that must run at
     once (SyncBatchNorm under ``prepare_replicas``, replication callbacks) always run on threads.
+    ``method``: call each module's method of that name instead (``getattr(modules[i], method)``).
     """
     devs = [_infer_device(x) for x in inputs] if devices is None else map(as_device, devices)
     return _launch.launch(
-        modules, inputs, kwargs_tup, list(devs), name=launch, together=replicas_meet(modules)
+        modules,
+        inputs,
+        kwargs_tup,
+        list(devs),
+        name=launch,
+        together=replicas_meet(modules),
+        method=method,
     )

@@ -16,11 +16,13 @@ import pytest
 from models import ROOT
 
 # Where "rows" are batch rows: the planner, the wrapper that counts a replica's rows, the scatter
-# and gather (the host copies of the scatter included) and the losses and shards cut the same way.
+# and gather (the host copies of the scatter and generate's gather included) and the losses and
+# shards cut the same way.
 ROWS_FILES = [
     "fastdp/_planner.py",
     "fastdp/scatter_gather.py",
     "fastdp/data_parallel.py",
+    "fastdp/_methods.py",
     "fastdp/criterion.py",
     "fastdp/distributed.py",
     "csrc/scatter*",

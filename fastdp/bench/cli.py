@@ -15,10 +15,27 @@ from collections.abc import Callable
 
 import torch
 
-from fastdp.bench import machine, plots, report, suite_compile, suite_zero, suites_cpu, suites_gpu
+from fastdp.bench import (
+    machine,
+    plots,
+    report,
+    suite_compile,
+    suite_generate,
+    suite_zero,
+    suites_cpu,
+    suites_gpu,
+)
 from fastdp.bench.runner import Settings, Task, run_tasks, threads
 
-CPU_SUITES = ("passthrough", "cpu-replicas", "overhead", "replicate", "module-build", "zero")
+CPU_SUITES = (
+    "passthrough",
+    "cpu-replicas",
+    "overhead",
+    "replicate",
+    "module-build",
+    "zero",
+    "generate",
+)
 GPU_SUITES = ("gpu-comm", "gpu-replicate", "gpu-steps", "overhead-cuda")
 MULTI_SUITES = ("multigpu-comm", "multigpu-replicate", "multigpu-steps")
 OPT_SUITES = ("compile",)  # only on request: compiling takes minutes
@@ -39,6 +56,7 @@ _SUITE_TASKS: dict[str, Callable[[Settings], list[Task]]] = {
     "multigpu-steps": lambda s: suites_gpu.step_tasks(s, multi=True),
     "compile": suite_compile.compile_tasks,
     "zero": suite_zero.zero_tasks,
+    "generate": suite_generate.generate_tasks,
 }
 
 
@@ -63,7 +81,7 @@ def why_not(suite: str) -> str | None:
 def auto_suites() -> list[str]:
     if _gpus() == 0:
         return list(CPU_SUITES)
-    chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build", "zero"]
+    chosen = list(GPU_SUITES) + ["overhead", "replicate", "module-build", "zero", "generate"]
     return chosen + (list(MULTI_SUITES) if _gpus() >= 2 else [])
 
 

@@ -310,6 +310,12 @@ SECTIONS: dict[str, tuple[str, list[tuple[str, Field]]]] = {
         + [("index 0 share", "index0_share"), ("copied/step", _zero_copies)]
         + [("reduce+refresh/step", lambda r: _maybe_bytes(r.get("reduce_refresh_bytes_per_step")))],
     ),
+    "generate": (
+        "Greedy generate of a tiny Llama (input: batch x prompt + new tokens): ms per call, "
+        "generated tokens per second; x floor = vs the module on the chunks in turn",
+        [WORKLOAD, ("input", "input"), DEVICES, MODE, LAUNCH, STATUS, MEDIAN, MIN]
+        + [("tokens/s", "tokens_per_s"), X_FLOOR, X_BARE],
+    ),
     "module-build": (
         "Building nn.Sequential(Linear(32, 32) x layers) while a persistent wrapper "
         "is alive vs with none, ms (NOTE [ Replica invalidation ])",
