@@ -27,8 +27,10 @@ _enabled: dict[str, int] = {}
 
 
 def build_dir() -> str:
-    """Where the extension is built and cached: ``FASTDP_ACCEL_BUILD`` or ``tests/accel/build``."""
-    return os.environ.get("FASTDP_ACCEL_BUILD", os.path.join(_HERE, "build"))
+    """Where the extension is built and cached: ``FASTDP_ACCEL_BUILD``, or
+    ``tests/accel/build/<torch version>`` (one build per torch a checkout is tested with)."""
+    default = os.path.join(_HERE, "build", torch.__version__.replace("+", "-"))
+    return os.environ.get("FASTDP_ACCEL_BUILD", default)
 
 
 def _load() -> None:
