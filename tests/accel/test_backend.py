@@ -128,6 +128,16 @@ def test_an_op_on_two_devices_raises():
     assert torch.equal((a + b.to(dev(0))).cpu(), torch.full((3,), 2.0))
 
 
+def test_foreach_ops_run_per_tensor_on_each_device():
+    dst = [torch.zeros(2, device=dev(i)) for i in range(3)]
+    torch._foreach_copy_(dst, [torch.full((2,), float(i), device=dev(i)) for i in range(3)])
+    doubled = torch._foreach_add(dst, dst)
+    assert [d.device for d in doubled] == [dev(0), dev(1), dev(2)]
+    assert [d.cpu().tolist() for d in doubled] == [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
+    with pytest.raises(RuntimeError, match="same device"):
+        torch._foreach_add_(dst, [dst[1], dst[0], dst[2]])
+
+
 def test_views_share_storage():
     x = torch.zeros(4, 6, device=dev(1))
     x.view(6, 4)[0].fill_(1.0)

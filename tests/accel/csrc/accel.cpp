@@ -1,10 +1,8 @@
 // A multi-device test accelerator on torch's PrivateUse1 extension points: the device guard
-// (devices, streams, events), the hooks, the allocators, the ops that own memory or views, and a
-// CPU fallback for every other op. Built by tests/accel/__init__.py.
+// (devices, streams, events), the hooks and the op registrations (ops.h holds the kernels,
+// runtime.h the devices, streams and memory). Built by tests/accel/__init__.py.
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
-#include <ATen/native/CPUFallback.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
@@ -14,6 +12,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "runtime.h"
 
 namespace fdpaccel {
@@ -133,7 +132,8 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   c10::Device getDeviceFromPtr(void* data) const override {
     std::lock_guard<std::mutex> g(blocks().m);
     auto it = blocks().live.find(data);
-    TORCH_CHECK(it != blocks().live.end(), "fdpaccel: ", data, " is not the start of device memory");
+    TORCH_CHECK(it != blocks().live.end(), "fdpaccel: ", data,
+                " is not the start of device memory");
     return {kType, it->second.second};
   }
   // Random ops run on the host through the fallback, with the CPU's generator.
@@ -144,177 +144,6 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     resize_storage_bytes(storage, nbytes);
   }
 };
-
-bool on_device(const at::Tensor& t) { return t.device().type() == kType; }
-
-c10::DeviceIndex target_index(std::optional<c10::Device> device) {
-  TORCH_CHECK(!device || device->type() == kType, "fdpaccel: expected a device of this type, got ",
-              *device);
-  const c10::DeviceIndex i = resolve(device ? device->index() : -1);
-  check_index(i, "empty");
-  return i;
-}
-
-at::Tensor empty(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
-                 std::optional<at::Layout> layout, std::optional<c10::Device> device,
-                 std::optional<bool> /*pin_memory*/, std::optional<at::MemoryFormat> format) {
-  TORCH_CHECK(!layout || *layout == at::kStrided, "fdpaccel empty: strided layout only");
-  return at::detail::empty_generic(size, allocator(target_index(device)),
-                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                   c10::dtype_or_default(dtype), format);
-}
-
-at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
-                         std::optional<at::ScalarType> dtype, std::optional<at::Layout> layout,
-                         std::optional<c10::Device> device, std::optional<bool> /*pin_memory*/) {
-  TORCH_CHECK(!layout || *layout == at::kStrided, "fdpaccel empty_strided: strided layout only");
-  return at::detail::empty_strided_generic(size, stride, allocator(target_index(device)),
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                           c10::dtype_or_default(dtype));
-}
-
-// Copies as CUDA orders them: host<->device on the device's current stream, blocking unless
-// non_blocking with pinned host memory (a pageable source is read at once, a pageable destination
-// waits); device<->device always asynchronous, on the source's current stream, after the
-// destination's current stream and before its later work.
-at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
-  if (dst.numel() == 0) return dst;
-  Locked g;
-  if (on_device(src) && on_device(dst)) {
-    StreamState& from = current_state(src.device().index());
-    StreamState& to = current_state(dst.device().index());
-    at::Tensor s = host_view(src), d = host_view(dst);
-    wait_for(from, to, to.enqueued);
-    enqueue(from, [s, d]() mutable { d.copy_(s); });
-    wait_for(to, from, from.enqueued);
-  } else if (on_device(dst)) {
-    TORCH_CHECK(src.is_cpu(), "fdpaccel copy: expected a CPU source, got ", src.device());
-    StreamState& to = current_state(dst.device().index());
-    const bool pinned = src.numel() == 0 || is_pinned(src.storage().data());
-    at::Tensor s = pinned ? src : src.clone(), d = host_view(dst);
-    const int64_t pos = enqueue(to, [s, d]() mutable { d.copy_(s); });
-    if (!non_blocking) drain_to(to, pos);
-  } else {
-    TORCH_CHECK(dst.is_cpu(), "fdpaccel copy: expected a CPU destination, got ", dst.device());
-    StreamState& from = current_state(src.device().index());
-    at::Tensor s = host_view(src), d = dst;
-    const int64_t pos = enqueue(from, [s, d]() mutable { d.copy_(s); });
-    if (!non_blocking || !is_pinned(dst.storage().data())) drain_to(from, pos);
-  }
-  return dst;
-}
-
-const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
-                          std::optional<at::MemoryFormat> format) {
-  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
-  impl->set_sizes_contiguous(size);
-  if (format) impl->empty_tensor_restride(*format);
-  const size_t need = at::detail::computeStorageNbytes(size, self.strides(), self.itemsize(),
-                                                       self.storage_offset());
-  if (need > self.storage().nbytes()) resize_storage_bytes(self.storage(), need);
-  return self;
-}
-
-at::Tensor copy_from_and_resize(const at::Tensor& src, const at::Tensor& dst) {
-  if (dst.sizes() != src.sizes()) {
-    if (on_device(dst)) {
-      resize_(dst, src.sizes(), std::nullopt);
-    } else {
-      dst.resize_(src.sizes());
-    }
-  }
-  return copy_from(src, dst, false);
-}
-
-at::Tensor& set_storage(at::Tensor& self, at::Storage source, int64_t offset,
-                        c10::IntArrayRef size, c10::IntArrayRef stride) {
-  TORCH_CHECK(source.device() == self.device(), "fdpaccel set_: storage on ", source.device(),
-              ", tensor on ", self.device());
-  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
-  impl->set_storage_keep_dtype(std::move(source));
-  impl->set_storage_offset(offset);
-  if (stride.empty()) {
-    impl->set_sizes_contiguous(size);
-  } else {
-    impl->set_sizes_and_strides(size, stride);
-  }
-  const size_t need =
-      at::detail::computeStorageNbytes(size, self.strides(), self.itemsize(), offset);
-  if (need > self.storage().nbytes()) resize_storage_bytes(self.storage(), need);
-  return self;
-}
-
-at::Tensor& set_source_storage(at::Tensor& self, at::Storage source) {
-  const int64_t n = static_cast<int64_t>(source.nbytes()) / self.itemsize();
-  return set_storage(self, std::move(source), 0, {n}, {});
-}
-
-at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
-  if (self.is_same(source)) return self;
-  return set_storage(self, source.storage(), source.storage_offset(), source.sizes(),
-                     source.strides());
-}
-
-at::Tensor& set_empty(at::Tensor& self) {
-  c10::Storage empty_storage(c10::Storage::use_byte_size_t(), 0,
-                             allocator(self.device().index()), true);
-  return set_storage(self, std::move(empty_storage), 0, {0}, {});
-}
-
-// Checks the devices of an op's tensors as CUDA's kernels do: one device per op, or for the
-// _foreach_ ops one device per list position. Returns the device the op runs on.
-std::optional<c10::Device> op_device(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const bool foreach = op.schema().name().rfind("aten::_foreach_", 0) == 0;
-  std::optional<c10::Device> first;
-  std::vector<std::optional<c10::Device>> per_position;
-  std::set<c10::DeviceIndex> used;
-  auto seen = [&](const at::Tensor& t, std::optional<size_t> position) {
-    if (!t.defined() || !on_device(t)) return;
-    used.insert(t.device().index());
-    if (!first) first = t.device();
-    std::optional<c10::Device>* expected = &first;
-    if (foreach && position) {
-      if (per_position.size() <= *position) per_position.resize(*position + 1);
-      expected = &per_position[*position];
-      if (!*expected) *expected = t.device();
-    } else if (foreach) {
-      return;
-    }
-    TORCH_CHECK(**expected == t.device(), "Expected all tensors to be on the same device, but "
-                "found at least two devices, ", **expected, " and ", t.device(),
-                "! (when checking arguments for ", op.schema().name(), ")");
-  };
-  for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size())) {
-    if (v.isTensor()) {
-      seen(v.toTensor(), std::nullopt);
-    } else if (v.isTensorList()) {
-      const auto list = v.toTensorList();
-      for (size_t i = 0; i < list.size(); ++i) seen(list.get(i), i);
-    } else if (v.isOptionalTensorList()) {
-      const auto list = v.toOptionalTensorList();
-      for (size_t i = 0; i < list.size(); ++i) {
-        const std::optional<at::Tensor> t = list.get(i);
-        if (t) seen(*t, foreach ? std::optional<size_t>(i) : std::nullopt);
-      }
-    }
-  }
-  if (foreach && used.size() > 1) {
-    for (const c10::Argument& r : op.schema().returns())
-      TORCH_CHECK(!r.type()->isSubtypeOf(*c10::ListType::ofTensors()), "fdpaccel: ",
-                  op.schema().name(), " on tensors of several devices returns new tensors, which "
-                  "the CPU fallback would put on one device: not supported by the test device");
-  }
-  return first;
-}
-
-// Every op without a kernel here runs on the host: its tensors are copied to the CPU (draining
-// their device's current stream), the CPU kernel runs, and results go back to the op's device.
-// View ops must have a kernel here (error_on_views): a host copy is not a view.
-void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const std::optional<c10::Device> device = op_device(op, stack);
-  c10::OptionalDeviceGuard on(device);
-  at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
-}
 
 void configure(int64_t count, bool async_mode) {
   TORCH_CHECK(count >= 1 && count <= kMaxDevices, "fdpaccel configure: 1 <= devices <= ",
