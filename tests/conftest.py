@@ -65,6 +65,29 @@ def devices(request):
     return request.param
 
 
+ACCEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accel")
+
+
+def _in_accel(config) -> list[bool]:
+    here = str(config.invocation_params.dir)
+    args = [os.path.abspath(os.path.join(here, a.split("::")[0])) for a in config.args]
+    return [a == ACCEL or a.startswith(ACCEL + os.sep) for a in args]
+
+
+def pytest_configure(config):
+    inside = _in_accel(config)
+    if any(inside) and not all(inside):
+        raise pytest.UsageError("tests/accel runs in a process of its own: pytest tests/accel")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/accel registers a torch backend for the whole process: its tests run in a process of
+    their own (``pytest tests/accel``), never inside a run that collects anything else."""
+    if str(collection_path) == ACCEL and not all(_in_accel(config)):
+        return True
+    return None
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--zoo",
