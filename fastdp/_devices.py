@@ -1,8 +1,10 @@
 """Device normalisation shared by the wrapper, replicate and the launch.
 
-Internally every device is a ``torch.device`` with an explicit index for CUDA; the public
-attributes of FastDataParallel keep DataParallel's form (ints for CUDA ids) so user code reading
-them still works.
+Internally every device is a ``torch.device`` with an explicit index for an accelerator; the
+public attributes of FastDataParallel keep DataParallel's form (ints for accelerator ids) so user
+code reading them still works. The accelerator is CUDA when CUDA is available, else torch's
+current accelerator (``torch.accelerator``: XPU, MPS, a PrivateUse1 backend); an int id is one of
+its devices, and with no accelerator at all a CUDA id, as in DataParallel.
 """
 
 from __future__ import annotations
@@ -13,22 +15,37 @@ from typing import Any
 import torch
 
 
+def accelerator_type() -> str | None:
+    """``"cuda"`` when CUDA is available, else torch's current accelerator's type, else None."""
+    if torch.cuda.is_available():
+        return "cuda"
+    acc = torch.accelerator.current_accelerator()
+    return None if acc is None or acc.type == "cpu" else acc.type
+
+
 def as_device(x: Any) -> torch.device:
-    """``0``, ``'cuda:0'``, ``torch.device('cuda', 0)``, ``'cuda'`` (current), ``'cpu'``, ``-1``."""
+    """``0``, ``'cuda:0'``, ``torch.device('cuda', 0)``, ``'cuda'`` (current), ``'cpu'``, ``-1``;
+    on another accelerator its ids the same way (``0``, ``'xpu:0'``, ``'xpu'``)."""
     if isinstance(x, torch.device):
         dev = x
     elif isinstance(x, int):
-        dev = torch.device("cpu") if x == -1 else torch.device("cuda", x)
+        dev = torch.device("cpu") if x == -1 else torch.device(accelerator_type() or "cuda", x)
     elif isinstance(x, str):
         dev = torch.device(x)
     else:
         raise TypeError(f"fastdp: cannot interpret {x!r} ({type(x).__name__}) as a device")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    if dev.type not in ("cpu", "cuda"):
+    if dev.type in ("cpu", "cuda"):
+        if dev.type == "cuda" and dev.index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            dev = torch.device("cuda", index)
+        return dev
+    if dev.type != accelerator_type():
         raise ValueError(
-            f"fastdp: device type {dev.type!r} is not supported (use CUDA ids or 'cpu')"
+            f"fastdp: device type {dev.type!r} is not supported (use ids of the accelerator, "
+            f"{accelerator_type() or 'cuda'!r}, or 'cpu')"
         )
+    if dev.index is None:
+        dev = torch.device(dev.type, torch.accelerator.current_device_index())
     return dev
 
 
@@ -37,12 +54,14 @@ def as_devices(xs: Sequence[Any]) -> list[torch.device]:
     kinds = {d.type for d in devs}
     if len(kinds) > 1:
         raise ValueError(
-            f"fastdp: device_ids mixes CPU and CUDA devices ({[str(d) for d in devs]}); "
-            "use all CUDA ids (e.g. [0, 1]) or all CPU (e.g. ['cpu', 'cpu'])"
+            f"fastdp: device_ids mixes CPU and {(accelerator_type() or 'cuda').upper()} devices "
+            f"({[str(d) for d in devs]}); use all accelerator ids (e.g. [0, 1]) or all CPU (e.g. "
+            "['cpu', 'cpu'])"
         )
     return devs
 
 
 def public_id(dev: torch.device) -> int | torch.device:
-    """DataParallel's public form: the CUDA index as an int, the CPU as torch.device('cpu')."""
-    return dev.index if dev.type == "cuda" else dev
+    """DataParallel's public form: an accelerator's index as an int, the CPU as
+    torch.device('cpu')."""
+    return dev if dev.type == "cpu" else dev.index

@@ -2,8 +2,8 @@
 inline or one thread each, and a replica's error re-raised in the caller.
 
 Grad mode, inference mode and autocast (enabled flag *and* dtype, per device type; DataParallel
-carries only the CUDA flag) reach every replica; CUDA replicas run under their device and the
-caller's current stream of that device (read in the caller: see NOTE [ The caller's streams ]). A
+carries only the CUDA flag) reach every replica; accelerator replicas run under their device and
+the caller's current stream of that device (read in the caller: NOTE [ The caller's streams ]). A
 replica's exception is re-raised in the caller as its own type with ``Caught X in replica i on
 device d.`` and the original traceback, whichever launch strategy ran it (the strategies and the
 rule that picks one: ``fastdp/_launch.py``); a BaseException that is no Exception (SystemExit,
@@ -75,11 +75,11 @@ class ReplicaAborted(RuntimeError):
 
 
 # NOTE [ The caller's streams ]
-# The current CUDA stream is thread-local: a worker thread's current stream is the default stream,
-# whatever the caller entered with ``torch.cuda.stream(s)``. So the streams are read here, in the
-# caller (as torch.nn.parallel.parallel_apply does), and entered by the replica (enter_state); a
-# replica reading ``current_stream`` itself would run on the worker's default stream, unordered
-# with the caller's work on ``s``: wrong values, silently.
+# The current stream of CUDA (and of any accelerator) is thread-local: a worker thread's current
+# stream is the default stream, whatever the caller entered with ``torch.cuda.stream(s)``. So the
+# streams are read here, in the caller (as torch.nn.parallel.parallel_apply does), and entered by
+# the replica (enter_state); a replica reading ``current_stream`` itself would run on the worker's
+# default stream, unordered with the caller's work on ``s``: wrong values, silently.
 
 
 def capture_state(devices: Sequence[torch.device] = ()) -> dict[str, Any]:
@@ -95,9 +95,18 @@ def capture_state(devices: Sequence[torch.device] = ()) -> dict[str, Any]:
         "inference": torch.is_inference_mode_enabled(),
         "autocast": autocast,
         "autocast_cache": torch.is_autocast_cache_enabled(),
-        "streams": {d: torch.cuda.current_stream(d) for d in set(devices) if d.type == "cuda"},
+        "streams": {
+            d: torch.cuda.current_stream(d) if d.type == "cuda" else _current_stream(d)
+            for d in set(devices)
+            if d.type != "cpu"
+        },
         "launch": launch_number(),
     }
+
+
+def _current_stream(d: torch.device) -> Any:
+    """The current stream of a device of an accelerator other than CUDA (torch.accelerator)."""
+    return torch.accelerator.current_stream(d)
 
 
 def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -> None:
@@ -120,6 +129,10 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
         if stream is None:  # a device the caller did not name: its current stream, read now
             stream = torch.cuda.current_stream(device)
         stack.enter_context(torch.cuda.stream(stream))
+    elif device.type != "cpu":  # another accelerator: its device and stream through torch's API
+        stack.enter_context(torch.accelerator.device_index(device.index))
+        stream = state["streams"].get(device)
+        stack.enter_context(stream if stream is not None else _current_stream(device))
 
 
 # Ctrl-C during a step: a KeyboardInterrupt must reach the caller promptly. A real SIGINT interrupts
@@ -193,9 +206,9 @@ def run_in_turn(
     """The ``inline`` strategy: each replica in turn on the caller's thread.
 
     Here the state ``capture_state`` reads (grad and inference mode, autocast, every device's
-    current stream) is in force already, so a CUDA replica only enters its device (whose current
-    stream on this thread is the caller's). Errors are wrapped as ``run_replica`` wraps them, so
-    every replica runs, as on threads, and ``raise_first_error`` picks the same error. A
+    current stream) is in force already, so an accelerator replica only enters its device (whose
+    current stream on this thread is the caller's). Errors are wrapped as ``run_replica`` wraps
+    them, so every replica runs, as on threads, and ``raise_first_error`` picks the same error. A
     KeyboardInterrupt propagates at once, with nothing left running (later replicas do not run).
     """
     out = []
@@ -206,6 +219,9 @@ def run_in_turn(
         try:
             if device.type == "cuda":
                 with torch.cuda.device(device.index):
+                    out.append(module(*inp, **kwargs[i]))
+            elif device.type != "cpu":
+                with torch.accelerator.device_index(device.index):
                     out.append(module(*inp, **kwargs[i]))
             else:
                 out.append(module(*inp, **kwargs[i]))

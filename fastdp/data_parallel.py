@@ -20,7 +20,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from fastdp import _backend, _buckets, _launch, _torch_private, _transports
 from fastdp._compiled import context_from_options, is_compiled, untraced_forward
-from fastdp._devices import as_device, as_devices, public_id
+from fastdp._devices import accelerator_type, as_device, as_devices, public_id
 from fastdp._launch import Order
 from fastdp._methods import MethodCall, generate_call, method_call
 from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
@@ -70,9 +70,10 @@ class FastDataParallel(DataParallel):
 
     Args:
         module: the module to parallelize.
-        device_ids: CUDA devices (ints, ``torch.device``, ``'cuda:N'``; repeats allowed: replicas
-            then share a GPU) or CPU devices (``['cpu'] * n``: the whole multi-replica pipeline on
-            the CPU). Default: all CUDA devices; with none, ``forward`` just calls the module.
+        device_ids: accelerator devices (ints, ``torch.device``, ``'cuda:N'``; repeats allowed:
+            replicas then share a GPU; CUDA when available, else torch's current accelerator) or
+            CPU devices (``['cpu'] * n``: the whole multi-replica pipeline on the CPU). Default:
+            all the accelerator's devices; with none, ``forward`` just calls the module.
         output_device: where outputs are gathered (default ``device_ids[0]``; -1 or ``'cpu'``
             for the CPU).
         dim: the dimension inputs are chunked along and outputs concatenated along.
@@ -154,7 +155,7 @@ class FastDataParallel(DataParallel):
         out = devs[0] if output_device is None else as_device(output_device)
         self._output = out
         self.output_device = (
-            public_id(out) if out.type == "cuda" else (-1 if devs[0].type == "cuda" else out)
+            public_id(out) if out.type != "cpu" else (-1 if devs[0].type != "cpu" else out)
         )
         self.src_device_obj = devs[0]
         if devs[0].type == "cuda":
@@ -211,15 +212,16 @@ class FastDataParallel(DataParallel):
     @staticmethod
     def _resolve_devices(device_ids: Any) -> list[torch.device] | None:
         """The replica devices, or None for DataParallel's pass-through (no accelerator)."""
+        acc = accelerator_type()
         if device_ids is not None:
             devs = as_devices(list(device_ids))
             if not devs:
-                if not torch.cuda.is_available():
+                if acc is None:
                     return None  # DataParallel without an accelerator: the module runs directly
                 raise RuntimeError("no available devices were found")
             if devs[0].type == "cpu":
                 return devs
-            if not torch.cuda.is_available():
+            if acc is None:
                 warnings.warn(
                     f"fastdp: device_ids={list(device_ids)} but CUDA is not available; the module "
                     "runs directly, as nn.DataParallel does. Use device_ids=['cpu'] * n for CPU "
@@ -228,9 +230,10 @@ class FastDataParallel(DataParallel):
                 )
                 return None
             return devs
-        if not torch.cuda.is_available():
+        if acc is None:
             return None
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        n = torch.cuda.device_count() if acc == "cuda" else torch.accelerator.device_count()
+        return [torch.device(acc, i) for i in range(n)]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # see NOTE [ Compiling the wrapper ]
@@ -656,9 +659,11 @@ def data_parallel(
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is None:
-        if not torch.cuda.is_available():
+        acc = accelerator_type()
+        if acc is None:
             raise RuntimeError("device type could not be determined")
-        device_ids = list(range(torch.cuda.device_count()))
+        count = torch.cuda.device_count() if acc == "cuda" else torch.accelerator.device_count()
+        device_ids = list(range(count))
     devs = as_devices(list(device_ids))
     if not devs:
         raise RuntimeError("no available devices were found")
