@@ -4,13 +4,15 @@ Same algorithm and guarantees as ``torch.nn.parallel.replicate``: replica 0's pa
 storage with the originals and its buffers *are* the original buffer objects (BatchNorm running
 stats update the original); other replicas get copies with their own version counters; gradients
 of every replica flow back to the originals through ``Broadcast``'s backward (a coalesced reduce).
-One fix: replicas expose their parameters through ``parameters()`` (DataParallel's yield nothing),
-so ``next(self.parameters())`` works inside a replica's forward.
+Two fixes: replicas expose their parameters through ``parameters()`` (DataParallel's yield
+nothing), so ``next(self.parameters())`` works inside a replica's forward; a method bound to a
+module in its ``__dict__`` is bound to the replica (NOTE [ Methods bound in a module's dict ]).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MethodType
 from typing import Any, TypeVar
 
 import torch
@@ -72,9 +74,33 @@ def point_parameter(replica: Module, key: str, t: torch.Tensor) -> None:
     replica._former_parameters[key] = t
 
 
+# NOTE [ Methods bound in a module's dict ]
+# ``model.forward = MethodType(f, model)`` (accelerate's convert_outputs_to_fp32, PEFT, TRL) stores
+# a method bound to the original in the module's ``__dict__``, which a replica's dict copies:
+# DataParallel's replica k then computes with the original's weights (on distinct devices, a device
+# mismatch). Each such method whose ``__self__`` is a module of the tree is bound again to that
+# module's replica, before a replica set saves its dicts, so it is part of the replica as built.
+
+
+def _rebind_methods(modules: list[Module], copies: list[list[Module]]) -> None:
+    index = None
+    for i, m in enumerate(modules):
+        for key, value in m.__dict__.items():
+            if type(value) is not MethodType:
+                continue
+            if index is None:
+                index = {id(mod): k for k, mod in enumerate(modules)}
+            k = index.get(id(value.__self__))
+            if k is not None:
+                for rep in copies:
+                    rep[i].__dict__[key] = MethodType(value.__func__, rep[k])
+
+
 def finish_tree(modules: list[Module], copies: list[list[Module]], compiled: bool) -> None:
-    """After the tensors are set: each replica finished from its module; with ``compiled``
-    code the compile budget scaled to the replicas (``_compiled.budget_for``)."""
+    """After the tensors are set: methods bound in a module's dict bound to its replica (NOTE
+    [ Methods bound in a module's dict ]), each replica finished from its module; with
+    ``compiled`` code the compile budget scaled to the replicas (``_compiled.budget_for``)."""
+    _rebind_methods(modules, copies)
     for rep in copies:
         for m, r in zip(modules, rep):
             finish_replica(m, r)

@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import types
 import weakref
 
 import pytest
@@ -28,6 +29,35 @@ def test_next_parameters_works_inside_replicas(backend):
     x = torch.randn(6, 3, dtype=torch.float64)
     out = FastDataParallel(m, device_ids=["cpu"] * 3)(x)
     assert_close(out, m(x.float()))
+
+
+class RecordsSelf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.seen = []  # shared by the replicas (their dicts copy the reference)
+
+    def forward(self, x):
+        self.seen.append(self)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_forward_bound_in_the_module_dict_runs_on_each_replica(launch, storage, persistent):
+    """``model.forward = MethodType(f, model)`` (accelerate, PEFT): each replica's forward gets
+    the replica as ``self`` (DataParallel's get the original, and so its weights)."""
+    m = RecordsSelf()
+    ref = copy.deepcopy(m)
+    m.forward = types.MethodType(RecordsSelf.forward, m)
+    fdp = FastDataParallel(m, device_ids=["cpu"] * 3, persistent=persistent)
+    for _ in range(2):
+        m.seen.clear()
+        x = torch.randn(6, 3)
+        fdp(x).sum().backward()
+        assert len(m.seen) == 3 and len({id(r) for r in m.seen}) == 3 and m not in m.seen
+        sum(ref(c).sum() for c in x.chunk(3)).backward()
+        assert_close(m.lin.weight.grad, ref.lin.weight.grad)
+    assert m.forward.__self__ is m
 
 
 def test_is_a_dataparallel_and_state_dict_keys_carry_module_prefix():

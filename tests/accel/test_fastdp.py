@@ -5,6 +5,7 @@ asynchronous mode, against the plain module on ``torch.chunk`` chunks. Its own p
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import pytest
@@ -114,6 +115,24 @@ def test_the_callers_side_stream_reaches_every_replica(launch):
     with torch.Stream(device=torch.device(NAME, 0)):
         got = dp(x.to(f"{NAME}:0", non_blocking=True)).cpu()
     torch.testing.assert_close(got, model(x))
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_method_bound_in_the_instance_dict_runs_with_each_replicas_weights(launch, persistent):
+    """A forward bound to the master in its ``__dict__`` (accelerate's convert_outputs_to_fp32)
+    is rebound to each replica: the replica on device k computes with its own weights."""
+    ref, model = mlp(), mlp().to(f"{NAME}:0")
+    model.forward = types.MethodType(type(model).forward, model)
+    model[0].forward = model[0].forward  # a child's, bound to the child
+    dp = FastDataParallel(model, device_ids=[0, 1, 2], persistent=persistent)
+    for _ in range(2):  # a persistent set's second step starts from its restored dicts
+        x, y = torch.randn(6, 6), torch.randn(6, 2)
+        out = dp(x.to(f"{NAME}:0"))
+        nn.functional.mse_loss(out, y.to(out.device), reduction="sum").backward()
+        chunk_step(ref, x, y, 3)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad)
+    assert model.forward.__self__ is model and model[0].forward.__self__ is model[0]
 
 
 class Scaled(nn.Module):
