@@ -1,4 +1,4 @@
-"""DataParallel's ``replicate``, on CPU or CUDA devices (fresh replicas on every call).
+"""DataParallel's ``replicate``, on the CPU or an accelerator (fresh replicas on every call).
 
 Same algorithm and guarantees as ``torch.nn.parallel.replicate``: replica 0's parameters share
 storage with the originals and its buffers *are* the original buffer objects (BatchNorm running
@@ -6,7 +6,7 @@ stats update the original); other replicas get copies with their own version cou
 of every replica flow back to the originals through ``Broadcast``'s backward (a coalesced reduce).
 Two fixes: replicas expose their parameters through ``parameters()`` (DataParallel's yield
 nothing), so ``next(self.parameters())`` works inside a replica's forward; a method bound to a
-module in its ``__dict__`` is bound to the replica (NOTE [ Methods bound in a module's dict ]).
+module in its ``__dict__`` is bound to the replica (``_rebind_methods``).
 """
 
 from __future__ import annotations
@@ -74,15 +74,12 @@ def point_parameter(replica: Module, key: str, t: torch.Tensor) -> None:
     replica._former_parameters[key] = t
 
 
-# NOTE [ Methods bound in a module's dict ]
-# ``model.forward = MethodType(f, model)`` (accelerate's convert_outputs_to_fp32, PEFT, TRL) stores
-# a method bound to the original in the module's ``__dict__``, which a replica's dict copies:
-# DataParallel's replica k then computes with the original's weights (on distinct devices, a device
-# mismatch). Each such method whose ``__self__`` is a module of the tree is bound again to that
-# module's replica, before a replica set saves its dicts, so it is part of the replica as built.
-
-
 def _rebind_methods(modules: list[Module], copies: list[list[Module]]) -> None:
+    """Methods bound to a module of the tree in its ``__dict__`` (``model.forward = MethodType(f,
+    model)``: accelerate's convert_outputs_to_fp32, PEFT, TRL) bound to the replica instead: a
+    replica's dict is a copy, and DataParallel's replica k computes with the original's weights
+    (on distinct devices, a device mismatch). Called before a replica set saves its dicts, so the
+    rebound method is part of the replica as built."""
     index = None
     for i, m in enumerate(modules):
         for key, value in m.__dict__.items():
@@ -97,9 +94,9 @@ def _rebind_methods(modules: list[Module], copies: list[list[Module]]) -> None:
 
 
 def finish_tree(modules: list[Module], copies: list[list[Module]], compiled: bool) -> None:
-    """After the tensors are set: methods bound in a module's dict bound to its replica (NOTE
-    [ Methods bound in a module's dict ]), each replica finished from its module; with
-    ``compiled`` code the compile budget scaled to the replicas (``_compiled.budget_for``)."""
+    """After the tensors are set: methods bound in a module's dict bound to its replica
+    (``_rebind_methods``), each replica finished from its module; with ``compiled`` code the
+    compile budget scaled to the replicas (``_compiled.budget_for``)."""
     _rebind_methods(modules, copies)
     for rep in copies:
         for m, r in zip(modules, rep):
