@@ -82,6 +82,8 @@ def _rebind_methods(modules: list[Module], copies: list[list[Module]]) -> None:
     rebound method is part of the replica as built."""
     index = None
     for i, m in enumerate(modules):
+        if MethodType not in map(type, m.__dict__.values()):  # the common case, scanned in C
+            continue
         for key, value in m.__dict__.items():
             if type(value) is not MethodType:
                 continue
