@@ -19,8 +19,10 @@ def accelerator_type() -> str | None:
     """``"cuda"`` when CUDA is available, else torch's current accelerator's type, else None."""
     if torch.cuda.is_available():
         return "cuda"
-    acc = torch.accelerator.current_accelerator()
-    return None if acc is None or acc.type == "cpu" else acc.type
+    acc = torch.accelerator.current_accelerator()  # a CUDA build says cuda with no GPU too
+    if acc is None or acc.type in ("cpu", "cuda") or torch.accelerator.device_count() == 0:
+        return None
+    return acc.type
 
 
 def as_device(x: Any) -> torch.device:

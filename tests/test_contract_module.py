@@ -93,6 +93,19 @@ def test_cuda_ids_without_cuda_warn_and_pass_through():
     assert fdp.device_ids == [] and fdp(torch.ones(3, 2)).shape == (3, 2)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="needs a machine without CUDA")
+def test_a_cuda_build_without_a_gpu_is_no_accelerator(monkeypatch):
+    """torch's CUDA build names CUDA its accelerator with no GPU present: DataParallel's
+    pass-through (no devices), not a wrapper over zero CUDA devices."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: cuda)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
+    fdp = FastDataParallel(nn.Linear(2, 2))
+    assert fdp.device_ids == [] and fdp(torch.ones(3, 2)).shape == (3, 2)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        assert FastDataParallel(nn.Linear(2, 2), device_ids=[0, 1]).device_ids == []
+
+
 def test_single_cpu_device_calls_the_module_directly(backend):
     seen = []
     m = nn.Linear(2, 2)
