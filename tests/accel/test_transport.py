@@ -1,10 +1,11 @@
 """fastdp's cross-device paths on the test device (tests/accel) in asynchronous mode: the
 accelerator transport (broadcast, reduce, the ordered reads of a reduce), the caller's streams
-reaching the replicas, persistent replicas after an optimizer step.
+and autocast reaching the replicas, persistent replicas after an optimizer step.
 Its own process: ``python -m pytest tests/accel``."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import weakref
@@ -154,3 +155,15 @@ def test_steps_on_side_streams_equal_the_chunks(launch, ids, persistent):
         ref_opt.step(), ref_opt.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach())
+
+
+def test_replicas_run_under_the_callers_autocast(launch):
+    ref, model = mlp(), mlp().to(dev(0))
+    dp = FastDataParallel(model, device_ids=[0, 1, 2])
+    x = torch.randn(6, 6)
+    with torch.autocast(NAME, dtype=torch.bfloat16):
+        out = dp(x.to(dev(0)))
+    assert out.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.cat([copy.deepcopy(ref)(c) for c in x.chunk(3)])
+    torch.testing.assert_close(out.cpu(), want)
