@@ -1,6 +1,6 @@
 """fastdp's cross-device paths on the test device (tests/accel) in asynchronous mode: the
-accelerator transport (broadcast, reduce, the ordered reads of a reduce), the caller's streams
-and autocast reaching the replicas, persistent replicas after an optimizer step.
+accelerator transport (broadcast, reduce, the ordered reads of a reduce), ``comm.gather``, the
+caller's streams and autocast reaching the replicas, persistent replicas after an optimizer step.
 Its own process: ``python -m pytest tests/accel``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import accel
-from fastdp import FastDataParallel
+from fastdp import FastDataParallel, comm
 from fastdp._reducer import reduce_add
 from fastdp._transports import transport_for
 
@@ -104,6 +104,16 @@ def test_reads_are_held_until_their_streams_pass_them():
         return held, ref() is None
 
     assert in_thread(reduce_twice) == (True, True)
+
+
+def test_gather_defaults_to_the_current_device():
+    parts = [torch.full((2,), float(k), device=dev(k)) for k in (1, 2)]
+    torch.accelerator.set_device_index(2)
+    try:
+        out = comm.gather(parts)
+    finally:
+        torch.accelerator.set_device_index(0)
+    assert out.device == dev(2) and torch.equal(out.cpu(), torch.tensor([1.0, 1, 2, 2]))
 
 
 def mlp() -> nn.Module:
