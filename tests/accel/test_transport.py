@@ -1,6 +1,7 @@
 """fastdp's cross-device paths on the test device (tests/accel) in asynchronous mode: the
 accelerator transport (broadcast, reduce, the ordered reads of a reduce), ``comm.gather``, the
-caller's streams and autocast reaching the replicas, persistent replicas after an optimizer step.
+caller's streams and autocast reaching the replicas, persistent replicas after an optimizer step,
+gradients made by queued copies, the device of a replica without tensor inputs.
 Its own process: ``python -m pytest tests/accel``."""
 
 from __future__ import annotations
@@ -177,3 +178,51 @@ def test_replicas_run_under_the_callers_autocast(launch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = torch.cat([copy.deepcopy(ref)(c) for c in x.chunk(3)])
     torch.testing.assert_close(out.cpu(), want)
+
+
+class Double(nn.Module):
+    """Computes in float64: the backward of each cast is a copy, queued on its stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.lin.weight.to(torch.float64)
+        return (x.to(torch.float64) @ w.t()).float() + self.lin.bias
+
+
+@pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
+def test_gradients_made_by_queued_copies_reach_the_input_and_parameters(launch, ids):
+    torch.manual_seed(0)
+    ref = Double()
+    model = copy.deepcopy(ref).to(dev(0))
+    dp = FastDataParallel(model, device_ids=ids)
+    x = torch.randn(6, 6)
+    xd = x.to(dev(0)).requires_grad_()
+    with side_streams(ids):
+        dp(xd).sum().backward()
+        grads = [xd.grad.cpu()] + [p.grad.cpu() for p in model.parameters()]
+    xr = x.clone().requires_grad_()
+    torch.cat([ref(c) for c in xr.chunk(len(ids))]).sum().backward()
+    for got, want in zip(grads, [xr.grad] + [p.grad for p in ref.parameters()]):
+        torch.testing.assert_close(got, want)
+
+
+class Allocates(nn.Module):
+    """Takes no tensor input: allocates on the current device and records it."""
+
+    def forward(self) -> torch.Tensor:
+        return torch.ones(2, device=NAME) * torch.accelerator.current_device_index()
+
+
+def test_a_replica_without_tensor_inputs_runs_on_the_current_device(launch):
+    from fastdp.parallel_apply import parallel_apply
+
+    torch.accelerator.set_device_index(2)
+    try:
+        out = parallel_apply([Allocates(), Allocates()], [(), ()], launch=launch)
+    finally:
+        torch.accelerator.set_device_index(0)
+    assert [o.device for o in out] == [dev(2), dev(2)]
+    assert all(torch.equal(o.cpu(), torch.full((2,), 2.0)) for o in out)
