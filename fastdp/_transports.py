@@ -191,40 +191,43 @@ class _AcceleratorTransport:
                 for part in _dense_parts(t):
                     part.record_stream(streams[t.device])
         else:
-            _held().append((list(streams.values()), tensors, None))
+            _hold(list(streams.values()), tensors)
 
 
-_local = threading.local()  # ``held``: this thread's reads held without record_stream
+# Reads held without record_stream (``_release_held``): [thread, streams, tensors, events].
+_HELD: list[list[Any]] = []
+_HELD_LOCK = threading.Lock()
 
 
-def _held() -> list[tuple[list[Any], list[torch.Tensor], list[Any] | None]]:
-    if not hasattr(_local, "held"):
-        _local.held = []
-    return _local.held
+def _hold(streams: list[Any], tensors: list[torch.Tensor]) -> None:
+    with _HELD_LOCK:
+        _HELD.append([threading.current_thread(), streams, tensors, None])
 
 
 def _release_held() -> None:
-    """Drop the tensors this thread's earlier ``order_reads`` held once their streams passed them.
+    """Drop the tensors earlier ``order_reads`` calls held once their streams passed them.
 
     Tensors without ``record_stream`` (the test device's) cannot tell their allocator that another
-    stream still reads them: ``order_reads`` holds them in a list of the calling thread instead. By
-    the thread's next call every read of the earlier one was enqueued: an event is recorded then on
-    each reading stream, and a later call drops the tensors once those events have completed.
+    stream still reads them: ``order_reads`` holds them instead. Once the calling thread has made
+    its next call, or has ended, every read of its earlier call was enqueued: an event is recorded
+    then on each reading stream, and a later call drops the tensors once those events completed.
     """
-    held = _held()
-    if not held:
+    if not _HELD:
         return
-    kept = []
-    for streams, tensors, events in held:
-        if events is None:
-            events = []
-            for s in streams:
-                events.append(_event(s.device))
-                events[-1].record(s)
-            kept.append((streams, tensors, events))
-        elif not all(e.query() for e in events):
-            kept.append((streams, tensors, events))
-    held[:] = kept
+    me = threading.current_thread()
+    with _HELD_LOCK:
+        kept = []
+        for entry in _HELD:
+            owner, streams, _, events = entry
+            if events is None:
+                if owner is me or not owner.is_alive():
+                    entry[3] = [_event(s.device) for s in streams]
+                    for e, s in zip(entry[3], streams):
+                        e.record(s)
+                kept.append(entry)
+            elif not all(e.query() for e in events):
+                kept.append(entry)
+        _HELD[:] = kept
 
 
 @functools.cache

@@ -106,6 +106,17 @@ def test_reads_are_held_until_their_streams_pass_them():
 
     assert in_thread(reduce_twice) == (True, True)
 
+    def reduce_once():
+        g = torch.ones(3, device=dev(1))
+        reduce_add([[torch.ones(3, device=dev(0))], [g]], dev(0))
+        return weakref.ref(g)
+
+    ref = in_thread(reduce_once)  # a thread that ended: its reads are released by another's calls
+    assert ref() is not None
+    for _ in range(2):
+        reduce_add([[torch.ones(3, device=dev(0))], [torch.ones(3, device=dev(1))]], dev(0))
+    assert ref() is None
+
 
 def test_gather_defaults_to_the_current_device():
     parts = [torch.full((2,), float(k), device=dev(k)) for k in (1, 2)]
