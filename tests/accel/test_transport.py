@@ -60,7 +60,9 @@ def test_an_accelerator_has_its_own_transport():
 def test_reduce_reads_other_devices_after_the_destinations_stream():
     """A bucket node's view (NOTE [ Streams of a reduce across devices ]): its stream on the
     destination waited for every gradient; the gradients on devices 1 and 2 are read on this
-    thread's default streams there, which only ``order_reads``' event orders after it."""
+    thread's default streams there, which only ``order_reads``' event orders after it. Read
+    directly: in ``reduce_add`` the test device's synchronous kernels on the destination (replica
+    0's pack) drain the node's stream first, which a GPU's queued kernels would not."""
     values = [torch.full((4,), float(k + 1)) for k in range(3)]
     side = [torch.Stream(device=dev(k)) for k in range(3)]
     grads = [pending_copy(v, dev(k), s) for k, (v, s) in enumerate(zip(values, side))]
