@@ -1,13 +1,14 @@
 """The replica runners: one replica under the caller's thread-local state, replicas in turn
 inline or one thread each, and a replica's error re-raised in the caller.
 
-Grad mode, inference mode and autocast (enabled flag *and* dtype, per device type; DataParallel
-carries only the CUDA flag) reach every replica; accelerator replicas run under their device and
-the caller's current stream of that device (read in the caller: NOTE [ The caller's streams ]). A
-replica's exception is re-raised in the caller as its own type with ``Caught X in replica i on
-device d.`` and the original traceback, whichever launch strategy ran it (the strategies and the
-rule that picks one: ``fastdp/_launch.py``); a BaseException that is no Exception (SystemExit,
-KeyboardInterrupt, a cancellation) is re-raised as itself, with that line as a note.
+Grad mode, inference mode and autocast (enabled flag *and* dtype, per device type: CPU, CUDA and
+the replicas' accelerator; DataParallel carries only the CUDA flag) reach every replica;
+accelerator replicas run under their device and the caller's current stream of that device (read
+in the caller: NOTE [ The caller's streams ]). A replica's exception is re-raised in the caller as
+its own type with ``Caught X in replica i on device d.`` and the original traceback, whichever
+launch strategy ran it (the strategies and the rule that picks one: ``fastdp/_launch.py``); a
+BaseException that is no Exception (SystemExit, KeyboardInterrupt, a cancellation) is re-raised
+as itself, with that line as a note.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class ReplicaAborted(RuntimeError):
 def capture_state(devices: Sequence[torch.device] = ()) -> dict[str, Any]:
     """The caller's thread-local state that replicas must see, streams of ``devices`` included."""
     autocast = {}
-    for dt in _AUTOCAST_TYPES:
+    for dt in _AUTOCAST_TYPES + _other_accelerators(devices):
         if dt == "cuda" and not torch.cuda.is_available():
             continue
         if torch.is_autocast_enabled(dt):
@@ -102,6 +103,11 @@ def capture_state(devices: Sequence[torch.device] = ()) -> dict[str, Any]:
         },
         "launch": launch_number(),
     }
+
+
+def _other_accelerators(devices: Sequence[torch.device]) -> tuple[str, ...]:
+    """The device types of ``devices`` whose autocast state is not among ``_AUTOCAST_TYPES``."""
+    return tuple({d.type for d in devices if d.type not in _AUTOCAST_TYPES})
 
 
 def _current_stream(d: torch.device) -> Any:
@@ -123,6 +129,11 @@ def enter_state(stack: ExitStack, state: dict[str, Any], device: torch.device) -
             )
         elif dt == "cuda" and device.type == "cuda":
             stack.enter_context(torch.autocast("cuda", enabled=False))
+    if device.type not in _AUTOCAST_TYPES and device.type in state["autocast"]:
+        dtype = state["autocast"][device.type]
+        stack.enter_context(
+            torch.autocast(device.type, dtype=dtype, cache_enabled=state["autocast_cache"])
+        )
     if device.type == "cuda":
         stack.enter_context(torch.cuda.device(device.index))
         stream = state["streams"].get(device)

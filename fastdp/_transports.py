@@ -4,14 +4,16 @@ and the counters of ``comm_stats()``.
 Only the transport depends on the device type. CPU: ``copy_`` and in-order sums. CUDA: torch's
 own ``broadcast(out=)`` and ``reduce_add`` (``torch.nn.parallel.comm``, which ``torch.cuda.comm``
 re-exports only once imported): one NCCL call (torch's cached communicators) when the flats sit
-on distinct GPUs, copies otherwise (repeated ids). Everything runs on the calling thread's
-current stream of each device: the caller's streams for a refresh (the replicas then run on the
-same streams, NOTE [ The caller's streams ]), the streams autograd gives the bucket's node for a
-reduce.
+on distinct GPUs, copies otherwise (repeated ids). Any other accelerator (``torch.accelerator``:
+XPU, MPS, a PrivateUse1 backend): non-blocking ``copy_`` and in-order sums, ``torch.Event``.
+Everything runs on the calling thread's current stream of each device: the caller's streams for
+a refresh (the replicas then run on the same streams, NOTE [ The caller's streams ]), the streams
+autograd gives the bucket's node for a reduce.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -32,7 +34,8 @@ STAT_KEYS = (
 
 
 class Transport(Protocol):
-    """What the flat layout and the reducer ask of a device type (``name``: "cpu" or "cuda")."""
+    """What the flat layout and the reducer ask of a device type (``name``: "cpu", "cuda" or
+    "accelerator")."""
 
     name: str
 
@@ -151,6 +154,101 @@ class _CudaTransport:
             return torch_comm.reduce_add(list(flats), dest.index)  # one NCCL reduce where it can
 
 
+class _AcceleratorTransport:
+    """An accelerator other than CUDA, through torch's device-generic API only. A copy between
+    devices is ordered by ``copy_`` itself with the current streams of both (as CUDA's is);
+    ``order_reads`` orders what ``copy_`` cannot see, with a ``torch.Event``."""
+
+    name = "accelerator"
+
+    @staticmethod
+    def broadcast(src: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        for d in dsts:
+            d.copy_(src, non_blocking=True)
+
+    @staticmethod
+    def reduce(flats: Sequence[torch.Tensor], dest: torch.device) -> torch.Tensor:
+        out = torch.empty_like(flats[0], device=dest).copy_(flats[0], non_blocking=True)
+        for f in flats[1:]:
+            out.add_(f if f.device == dest else f.to(dest, non_blocking=True))
+        return out
+
+    @staticmethod
+    def order_reads(per_replica: Sequence[Sequence[torch.Tensor]], dest: torch.device) -> None:
+        _release_held()
+        tensors = [t for rep in per_replica for t in rep if t.device != dest]
+        if not tensors:
+            return
+        ready = _event(dest)
+        ready.record(torch.accelerator.current_stream(dest))
+        streams: dict[torch.device, Any] = {}
+        for t in tensors:
+            if t.device not in streams:
+                streams[t.device] = torch.accelerator.current_stream(t.device)
+                streams[t.device].wait_event(ready)
+        if _records_streams(dest.type):
+            for t in tensors:
+                for part in _dense_parts(t):
+                    part.record_stream(streams[t.device])
+        else:
+            _hold(list(streams.values()), tensors)
+
+
+# Reads held without record_stream (``_release_held``): [thread, streams, tensors, events].
+_HELD: list[list[Any]] = []
+_HELD_LOCK = threading.Lock()
+
+
+def _hold(streams: list[Any], tensors: list[torch.Tensor]) -> None:
+    with _HELD_LOCK:
+        _HELD.append([threading.current_thread(), streams, tensors, None])
+
+
+def _release_held() -> None:
+    """Drop the tensors earlier ``order_reads`` calls held once their streams passed them.
+
+    Tensors without ``record_stream`` (the test device's) cannot tell their allocator that another
+    stream still reads them: ``order_reads`` holds them instead. Once the calling thread has made
+    its next call, or has ended, every read of its earlier call was enqueued: an event is recorded
+    then on each reading stream, and a later call drops the tensors once those events completed.
+    """
+    if not _HELD:
+        return
+    me = threading.current_thread()
+    with _HELD_LOCK:
+        kept = []
+        for entry in _HELD:
+            owner, streams, _, events = entry
+            if events is None:
+                if owner is me or not owner.is_alive():
+                    entry[3] = [_event(s.device) for s in streams]
+                    for e, s in zip(entry[3], streams):
+                        e.record(s)
+                kept.append(entry)
+            elif not all(e.query() for e in events):
+                kept.append(entry)
+        _HELD[:] = kept
+
+
+@functools.cache
+def _records_streams(device_type: str) -> bool:
+    """Whether the accelerator's tensors take ``record_stream`` (else their reads are held)."""
+    key = torch._C._dispatch_key_for_device(device_type)
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::record_stream", key)
+
+
+def _event(device: torch.device) -> Any:
+    """A ``torch.Event`` of ``device``'s accelerator, or an error naming what is missing."""
+    try:
+        return torch.Event(device=device)
+    except (RuntimeError, NotImplementedError) as e:
+        raise RuntimeError(
+            f"fastdp: the {device.type!r} accelerator has no events (torch.Event: {e}); fastdp "
+            "needs them to order reduces across its devices. Use device_ids of one device, or a "
+            "torch build whose backend implements events (DeviceGuardImplInterface.record/block)"
+        ) from e
+
+
 def _dense_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """The strided tensors whose blocks hold ``t``: itself, or a sparse tensor's indices and
     values (what torch's autograd records for a sparse gradient)."""
@@ -170,4 +268,8 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
 
 
 def transport_for(devices: Sequence[torch.device]) -> type[Transport]:
-    return _CudaTransport if any(d.type == "cuda" for d in devices) else _CpuTransport
+    if any(d.type == "cuda" for d in devices):
+        return _CudaTransport
+    if any(d.type != "cpu" for d in devices):
+        return _AcceleratorTransport
+    return _CpuTransport

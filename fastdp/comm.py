@@ -314,8 +314,8 @@ def gather(
 ) -> torch.Tensor:
     """Concatenate ``tensors`` along ``dim`` on ``destination``.
 
-    ``destination=None`` means the current CUDA device for CUDA inputs (as in torch) and the CPU for
-    CPU inputs.
+    ``destination=None`` means the current device of the inputs' accelerator for accelerator
+    inputs (the current CUDA device for CUDA ones, as in torch) and the CPU for CPU inputs.
     """
     if out is not None:
         return _tcomm.gather(tensors, dim, destination, out=out)
@@ -325,6 +325,8 @@ def gather(
         dest = tensors[0].device
         if dest.type == "cuda":
             dest = torch.device("cuda", torch.cuda.current_device())
+        elif dest.type != "cpu":
+            dest = torch.device(dest.type, torch.accelerator.current_device_index())
     else:
         dest = as_device(destination)
     ext = _copy_ext(tensors, [dest], one_dtype=True)

@@ -16,7 +16,7 @@ from torch.nn import Module
 from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp import _launch
-from fastdp._devices import as_device
+from fastdp._devices import accelerator_type, as_device
 from fastdp._runners import (
     ReplicaAborted,
     capture_state,
@@ -48,6 +48,9 @@ def _infer_device(inp: Any) -> torch.device:
         return t.device
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
+    acc = accelerator_type()
+    if acc is not None:
+        return torch.device(acc, torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 
@@ -63,7 +66,8 @@ def parallel_apply(
     """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]`` in parallel.
 
     Without ``devices``, each replica runs on the device of its first tensor input (the current
-    CUDA device, else the CPU, when it has none), as ``torch.nn.parallel.parallel_apply`` infers.
+    device of the accelerator, else the CPU, when it has none), as
+    ``torch.nn.parallel.parallel_apply`` infers.
     ``launch``: ``"threads"`` (one thread per replica, as torch's) or ``"inline"`` (in turn on this
     thread); default ``FASTDP_LAUNCH``, else threads (``"auto"`` needs the state a
     ``FastDataParallel`` keeps between steps, so here it means threads). Replicas that must run at
