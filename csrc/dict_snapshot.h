@@ -8,14 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace fastdp {
+#include "py_hidden.h"
 
-// Hidden as pybind11's own types are: it holds py::object fields.
-#if defined(__GNUC__)
-#define FASTDP_PY_HIDDEN __attribute__((visibility("hidden")))
-#else
-#define FASTDP_PY_HIDDEN
-#endif
+namespace fastdp {
 
 class FASTDP_PY_HIDDEN DictSnapshot {
  public:

@@ -18,16 +18,8 @@ from typing import Any
 import torch
 
 from fastdp import _backend
+from fastdp._backend import DTYPES
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-]
 MiB = 1 << 20
 AVOID_EXT = "FASTDP_DISABLE_EXT=1"
 

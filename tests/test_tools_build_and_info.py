@@ -1,6 +1,8 @@
 """The build: what was compiled, backend loading, ``fastdp.info()``, ``python -m fastdp.info``."""
 
 import os
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -135,3 +137,23 @@ def test_a_stale_build_missing_a_function_counts_as_not_loaded() -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stale build of fastdp._C lacks scatter_chunks, gather_into" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "pattern, where",
+    [
+        (r"^DTYPES = ", "fastdp"),  # fastdp/_backend.py
+        (r"#define FASTDP_PY_HIDDEN\b", "csrc"),  # csrc/py_hidden.h
+        (r'ignored "-Winterference-size"', "csrc"),  # csrc/cuda/torch_cuda_headers.h
+    ],
+)
+def test_shared_definitions_are_written_once(pattern, where):
+    """Defined in one file, included or imported by the others."""
+    root = pathlib.Path(__file__).resolve().parents[1] / where
+    files = [
+        str(f.relative_to(root))
+        for f in sorted(root.rglob("*"))
+        if f.suffix in (".py", ".h", ".cpp", ".cu")
+        and re.search(pattern, f.read_text(), re.MULTILINE)
+    ]
+    assert len(files) == 1, files

@@ -1,6 +1,6 @@
 #include "cuda/gather_cuda.h"
 
-#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+#include "cuda/torch_cuda_headers.h"  // before any header that includes them
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>

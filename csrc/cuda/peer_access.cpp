@@ -1,6 +1,6 @@
 #include "cuda/peer_access.h"
 
-#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+#include "cuda/torch_cuda_headers.h"  // before any header that includes them
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/PeerToPeerAccess.h>
