@@ -363,11 +363,11 @@ def make_plan(
         if devices:
             used, sizes = devices_with_rows(devices, batch, dim, chunk_sizes, balance)
     custom_split = sizes is not None or len(used) != len(devices)
-    plan_ids = [public_id(d) for d in used] if custom_split else ids
+    ids = [public_id(d) for d in used] if custom_split else ids
     if not split or unreplicated:
-        return StepPlan(ctx, used, plan_ids, sizes, batch, unreplicated, custom_split, verified)
+        return StepPlan(ctx, used, ids, sizes, batch, unreplicated, custom_split, verified)
     spec, leaves = flatten_inputs(inputs, kwargs)
     dims, splits = split_leaves(spec, leaves, len(used), dim, sizes, on_drop, True)
     return StepPlan(
-        ctx, used, plan_ids, sizes, batch, False, custom_split, verified, leaves, spec, dims, splits
+        ctx, used, ids, sizes, batch, False, custom_split, verified, leaves, spec, dims, splits
     )
