@@ -45,7 +45,7 @@ PLAN_FILES = [
     "fastdp/_planner.py",
     "fastdp/data_parallel.py",
     "fastdp/scatter_gather.py",
-    "fastdp/_info.py",
+    "fastdp/commands/info.py",
 ]
 PLAN_NAMES = {"StepPlan", "make_plan", "plan", "_plan", "planner", "scatter_planned"}
 PLAN_WORDS = {"plan", "plans", "planned", "planner", "planners", "planning"}

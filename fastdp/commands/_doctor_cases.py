@@ -1,4 +1,4 @@
-"""The doctor's inputs and how it compares them (the checks are in ``fastdp/doctor.py``).
+"""The doctor's inputs and how it compares them (the checks are in ``fastdp/commands/doctor.py``).
 
 Every copy-like path is run twice on the same inputs, once through the extension and once through
 the torch path of ``fastdp.comm`` (``torch.chunk``/``Tensor.to``/``torch.cat``, and
