@@ -31,8 +31,8 @@ class FASTDP_PY_HIDDEN DictSnapshot {
 
  private:
   std::vector<pybind11::object> dicts_;
-  std::vector<uint64_t> versions_;  // the dict version fast path: dict_snapshot.cpp
-  std::vector<size_t> starts_;  // dict i's entries are [starts_[i], starts_[i + 1])
+  std::vector<uint64_t> versions_;         // the dict version fast path: dict_snapshot.cpp
+  std::vector<size_t> starts_;             // dict i's entries are [starts_[i], starts_[i + 1])
   std::vector<pybind11::object> entries_;  // key, value, key, value, ...
 };
 

@@ -184,3 +184,19 @@ def test_shared_definitions_are_written_once(pattern, where):
         and re.search(pattern, f.read_text(), re.MULTILINE)
     ]
     assert len(files) == 1, files
+
+
+def _clang_format() -> str | None:
+    """The clang-format of this interpreter's environment (CI's CPU venv pins the PyPI wheel)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "clang-format")
+    return beside if os.path.exists(beside) else shutil.which("clang-format")
+
+
+@pytest.mark.skipif(_clang_format() is None, reason="clang-format is not installed here")
+def test_csrc_follows_the_checked_in_clang_format_style():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = sorted(str(f) for f in (root / "csrc").rglob("*") if f.suffix in (".h", ".cpp", ".cu"))
+    r = subprocess.run(
+        [_clang_format(), "--dry-run", "-Werror", *files], capture_output=True, text=True, cwd=root
+    )
+    assert (root / ".clang-format").is_file() and r.returncode == 0, r.stderr[-3000:]

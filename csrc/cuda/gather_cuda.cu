@@ -97,8 +97,8 @@ void gather_to_host(const std::vector<at::Tensor>& tensors, const std::vector<at
       continue;
     }
     c10::cuda::CUDAGuard guard(src.get_device());
-    C10_CUDA_CHECK(cudaMemcpyAsync(block.data(), src.data_ptr(), nbytes, cudaMemcpyDeviceToHost,
-                                   stream));
+    C10_CUDA_CHECK(
+        cudaMemcpyAsync(block.data(), src.data_ptr(), nbytes, cudaMemcpyDeviceToHost, stream));
     block.record(stream);
     pending.push_back({k, std::move(src), std::move(block), at::cuda::CUDAEvent()});
     pending.back().arrived.record(stream);

@@ -68,8 +68,8 @@ void copy_pinned(const ChunkCopy& c, at::Tensor& out, char* dst,
       route_host_copy(src.sizes().vec(), src.strides().vec(), c.strides, item, pitch_limit);
   if (p.kind == HostCopyRoute::kSpan) {
     const at::Tensor scratch = byte_buffer(p.span, stream.device_index());  // for this stream
-    C10_CUDA_CHECK(cudaMemcpyAsync(scratch.data_ptr(), from, p.span, cudaMemcpyHostToDevice,
-                                   stream));
+    C10_CUDA_CHECK(
+        cudaMemcpyAsync(scratch.data_ptr(), from, p.span, cudaMemcpyHostToDevice, stream));
     out.copy_(view_into(scratch, 0, src.scalar_type(), src.sizes(), src.strides()));
   } else if (p.kind == HostCopyRoute::kRows) {
     const size_t n = p.outer_sizes.size();
