@@ -272,8 +272,7 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       py::arg("sizes"), py::arg("src_strides"), py::arg("dst_strides"), py::arg("itemsize"),
-      py::arg("max_pitch"),
-      "Diagnostics: how a pinned chunk is copied to a GPU.");
+      py::arg("max_pitch"), "Diagnostics: how a pinned chunk is copied to a GPU.");
   m.def(
       "_stage_rows",
       [](const std::vector<int64_t>& sizes, const std::vector<int64_t>& dst_strides,

@@ -225,8 +225,8 @@ void torch::autograd::CppNode<fastdp::BucketReduceFn>::release_variables() {}
 namespace fastdp {
 
 std::vector<at::Tensor> bucket_reduce_link(const std::vector<at::Tensor>& sources,
-                                           const std::vector<at::Tensor>& replicas,
-                                           at::Device dest, std::shared_ptr<BucketHooks> hooks) {
+                                           const std::vector<at::Tensor>& replicas, at::Device dest,
+                                           std::shared_ptr<BucketHooks> hooks) {
   TORCH_CHECK(!sources.empty() && replicas.size() % sources.size() == 0,
               "fastdp.bucket_reduce_link: ", replicas.size(), " replica tensors for ",
               sources.size(), " sources");

@@ -26,7 +26,7 @@ struct BucketHooks {
 // Returns the outputs (the replica tensors themselves; those of a source that does not require
 // grad are not linked). Grad mode must be on.
 std::vector<at::Tensor> bucket_reduce_link(const std::vector<at::Tensor>& sources,
-                                           const std::vector<at::Tensor>& replicas,
-                                           at::Device dest, std::shared_ptr<BucketHooks> hooks);
+                                           const std::vector<at::Tensor>& replicas, at::Device dest,
+                                           std::shared_ptr<BucketHooks> hooks);
 
 }  // namespace fastdp

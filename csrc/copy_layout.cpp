@@ -56,8 +56,8 @@ std::vector<at::Tensor> FlatViews::operator()(const at::Tensor& flat) const {
   std::vector<at::Tensor> out;
   out.reserve(offsets_.size());
   for (size_t i = 0; i < offsets_.size(); ++i) {
-    out.push_back(view_into(flat, offsets_[i] * itemsize, flat.scalar_type(), sizes_[i],
-                            strides_[i]));
+    out.push_back(
+        view_into(flat, offsets_[i] * itemsize, flat.scalar_type(), sizes_[i], strides_[i]));
   }
   return out;
 }

@@ -8,16 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace fastdp {
+#include "py_hidden.h"
 
-// Hidden as pybind11's own types are (bound in bindings.cpp).
-#ifndef FASTDP_PY_HIDDEN
-#if defined(__GNUC__)
-#define FASTDP_PY_HIDDEN __attribute__((visibility("hidden")))
-#else
-#define FASTDP_PY_HIDDEN
-#endif
-#endif
+namespace fastdp {
 
 // Byte alignment of every region in a packed per-device buffer (the CUDA allocator's own alignment
 // is 512; 256 keeps vectorised kernels and cuBLAS on their fast paths).

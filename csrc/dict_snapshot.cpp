@@ -9,8 +9,8 @@ namespace {
 // deprecated by PEP 699 but still kept) on every change, so an equal tag proves the entries
 // unchanged and skips their comparison; a differing one (a change, or a dict watcher's bits)
 // compares them. 3.13 no longer bumps it for instance dicts backed by inline values (measured), so
-// from 3.13 on every entry is compared. test_replicas_dict_snapshot_pythons.py runs the contract on each
-// CPython 3.10+.
+// from 3.13 on every entry is compared. test_replicas_dict_snapshot_pythons.py runs the contract on
+// each CPython 3.10+.
 #if PY_VERSION_HEX < 0x030D0000
 #define FASTDP_DICT_VERSIONS 1
 #pragma GCC diagnostic push
@@ -81,7 +81,6 @@ std::vector<int64_t> DictSnapshot::changed() {
   }
   return out;
 }
-
 
 int DictSnapshot::traverse(visitproc visit, void* arg) const {
   for (const auto& d : dicts_) Py_VISIT(d.ptr());

@@ -8,14 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace fastdp {
+#include "py_hidden.h"
 
-// Hidden as pybind11's own types are: it holds py::object fields.
-#if defined(__GNUC__)
-#define FASTDP_PY_HIDDEN __attribute__((visibility("hidden")))
-#else
-#define FASTDP_PY_HIDDEN
-#endif
+namespace fastdp {
 
 class FASTDP_PY_HIDDEN DictSnapshot {
  public:
@@ -36,8 +31,8 @@ class FASTDP_PY_HIDDEN DictSnapshot {
 
  private:
   std::vector<pybind11::object> dicts_;
-  std::vector<uint64_t> versions_;  // the dict version fast path: dict_snapshot.cpp
-  std::vector<size_t> starts_;  // dict i's entries are [starts_[i], starts_[i + 1])
+  std::vector<uint64_t> versions_;         // the dict version fast path: dict_snapshot.cpp
+  std::vector<size_t> starts_;             // dict i's entries are [starts_[i], starts_[i + 1])
   std::vector<pybind11::object> entries_;  // key, value, key, value, ...
 };
 

@@ -13,7 +13,6 @@ namespace fastdp {
 // All tensors share one dtype; CUDA tensors are ready on their device's current stream. For a CUDA
 // destination the result is ready on its current stream (no device-wide sync); for a CPU
 // destination it is complete on return. No autograd history.
-at::Tensor gather_into(const std::vector<at::Tensor>& tensors, int64_t dim,
-                       at::Device destination);
+at::Tensor gather_into(const std::vector<at::Tensor>& tensors, int64_t dim, at::Device destination);
 
 }  // namespace fastdp

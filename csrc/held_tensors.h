@@ -4,7 +4,6 @@
 
 #include <pybind11/pybind11.h>
 
-
 namespace fastdp {
 
 // Where each tensor's data starts (storage data plus offset; 0 without storage), packed in

@@ -28,9 +28,9 @@ struct Level {
 }  // namespace
 
 HostCopyRoute route_host_copy(const std::vector<int64_t>& sizes,
-                            const std::vector<int64_t>& src_strides,
-                            const std::vector<int64_t>& dst_strides, int64_t itemsize,
-                            int64_t max_pitch) {
+                              const std::vector<int64_t>& src_strides,
+                              const std::vector<int64_t>& dst_strides, int64_t itemsize,
+                              int64_t max_pitch) {
   HostCopyRoute p;
   int64_t numel = 1, span = itemsize;
   for (size_t k = 0; k < sizes.size(); ++k) {

@@ -38,9 +38,9 @@ struct HostCopyRoute {
 // 2-D copy (cudaDevAttrMaxPitch). Dims of size 1 are ignored and dims that are adjacent in both
 // layouts merged, so most slices and channels_last chunks are one 2-D copy.
 HostCopyRoute route_host_copy(const std::vector<int64_t>& sizes,
-                            const std::vector<int64_t>& src_strides,
-                            const std::vector<int64_t>& dst_strides, int64_t itemsize,
-                            int64_t max_pitch);
+                              const std::vector<int64_t>& src_strides,
+                              const std::vector<int64_t>& dst_strides, int64_t itemsize,
+                              int64_t max_pitch);
 
 // The rows a pageable chunk is staged by: `dim`, the outermost destination dim (strides
 // `dst_strides`, dense) whose one index (`bytes`, every inner element) fits `window`, cut into

@@ -17,17 +17,9 @@
 #include <vector>
 
 #include "pinned_pool_core.h"
+#include "py_hidden.h"
 
 namespace fastdp {
-
-// Hidden as pybind11's own types are (bound in bindings.cpp).
-#ifndef FASTDP_PY_HIDDEN
-#if defined(__GNUC__)
-#define FASTDP_PY_HIDDEN __attribute__((visibility("hidden")))
-#else
-#define FASTDP_PY_HIDDEN
-#endif
-#endif
 
 struct HostFlagBackend {
   using Event = std::shared_ptr<std::atomic<bool>>;

@@ -15,8 +15,8 @@ std::vector<std::vector<at::Tensor>> scatter_chunks(const std::vector<at::Tensor
                                                     const std::vector<int64_t>& dims,
                                                     const std::vector<at::Device>& devices) {
   constexpr const char* op = "fastdp.scatter_chunks";
-  TORCH_CHECK(splits.size() == leaves.size(), op, ": expected one split per leaf (",
-              leaves.size(), "), got ", splits.size());
+  TORCH_CHECK(splits.size() == leaves.size(), op, ": expected one split per leaf (", leaves.size(),
+              "), got ", splits.size());
   const size_t replicas = splits.empty() ? 0 : splits[0].size();
   TORCH_CHECK(replicas <= devices.size(), op, ": the splits have ", replicas,
               " chunks per leaf but only ", devices.size(), " devices were given");
@@ -84,8 +84,8 @@ std::vector<at::Tensor> split_own_versions(const std::vector<at::Tensor>& leaves
     TORCH_CHECK(splits[i].size() == replicas, op, ": expected ", replicas, " chunk sizes for leaf ",
                 i, ", got ", splits[i].size());
     const int64_t d = at::maybe_wrap_dim(dims[dims.size() == 1 ? 0 : i], leaf.dim());
-    const bool own = !leaf.requires_grad() && !leaf.is_inference() && !leaf.is_conj() &&
-                     !leaf.is_neg();
+    const bool own =
+        !leaf.requires_grad() && !leaf.is_inference() && !leaf.is_conj() && !leaf.is_neg();
     auto chunks = leaf.split_with_sizes(splits[i], d);
     for (size_t r = 0; r < replicas; ++r) {
       if (own && r > 0) {

@@ -29,7 +29,8 @@ uint64_t tensor_signature(const std::vector<at::Tensor>& tensors) {
       for (auto s : t.strides()) mix(h, static_cast<uint64_t>(s));
     }
     mix(h, static_cast<uint64_t>(t.scalar_type()));
-    mix(h, static_cast<uint64_t>(t.device().type()) << 8 | static_cast<uint8_t>(t.device().index()));
+    mix(h,
+        static_cast<uint64_t>(t.device().type()) << 8 | static_cast<uint8_t>(t.device().index()));
     mix(h, static_cast<uint64_t>(t.layout()));
     mix(h, t.requires_grad() ? 1 : 2);
   }

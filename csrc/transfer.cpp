@@ -46,7 +46,7 @@ bool peer_access(int64_t a, int64_t b) {
   return p2p_usable(static_cast<c10::DeviceIndex>(a), static_cast<c10::DeviceIndex>(b));
 }
 #else
-std::vector<std::pair<std::string, int64_t>> pinned_pool_stats() { return {}; }
+std::vector<std::pair<std::string, int64_t> > pinned_pool_stats() { return {}; }
 
 int64_t pinned_pool_set_capacity(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "fastdp.pinned_pool_set_capacity: expected bytes >= 0, got ", bytes);

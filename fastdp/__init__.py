@@ -2,9 +2,9 @@
 
 import torch  # noqa: F401  (before the extension)
 
-from fastdp._info import info
 from fastdp._state_dict import unwrap
 from fastdp._version import __version__
+from fastdp.commands.info import info
 from fastdp.criterion import ParallelCriterion
 from fastdp.data_parallel import FastDataParallel, data_parallel
 from fastdp.distributed import shard_batch, wrap
@@ -31,10 +31,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``fastdp.doctor``: the module fastdp/doctor.py, callable as ``doctor()``, imported on first
-    use (imported here, ``python -m fastdp.doctor`` would warn that it was imported already)."""
+    """``fastdp.doctor``: the function of ``fastdp/commands/doctor.py``, imported on first use (a
+    command, above the package in docs/how-it-works.md's layers, and its checks import the
+    package)."""
     if name == "doctor":
         import importlib
 
-        return importlib.import_module("fastdp.doctor")
+        return importlib.import_module("fastdp.commands.doctor").doctor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,42 +1,7 @@
-"""``python -m fastdp COMMAND [args]``: fastdp's command line.
+"""``python -m fastdp COMMAND [args]``: the command line (``fastdp/commands/__init__.py``)."""
 
-commands:
-  info     what was built and which path each stage takes (python -m fastdp info)
-  doctor   prove this machine's paths against torch's, one line per check; the first command to
-           run on a new machine
-  run      run an unchanged script with nn.DataParallel replaced by FastDataParallel
-  bench    benchmarks against nn.DataParallel and the bare module (table, JSON, plots)
-
-`python -m fastdp COMMAND --help` describes each; `python -m fastdp.COMMAND` is the same command.
-"""
-
-from __future__ import annotations
-
-import importlib
 import sys
 
-COMMANDS = {
-    "info": "fastdp.info",
-    "doctor": "fastdp.doctor",
-    "run": "fastdp.run",
-    "bench": "fastdp.bench.cli",
-}
+from fastdp.commands import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m fastdp {{{','.join(COMMANDS)}}} [args ...]\n\n{__doc__}")
-        return 0 if argv else 2
-    if argv[0] not in COMMANDS:
-        print(
-            f"python -m fastdp: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}",
-            file=sys.stderr,
-        )
-        return 2
-    rc = importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
-    return rc if isinstance(rc, int) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())

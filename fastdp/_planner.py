@@ -335,34 +335,39 @@ class StepPlan:
 
 
 def make_plan(
-    wrapper: Any,
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any],
-    ctx: Any,
+    *,
+    devices: Sequence[torch.device],
+    ids: list[Any],
+    dim: int = 0,
+    chunk_sizes: Sequence[int] | None = None,
+    balance: Sequence[float] | None = None,
+    gather_output: bool = True,
+    ctx: Any = None,
     verified: Any = None,
     split: bool = True,
     on_drop: OnDrop | None = None,
 ) -> StepPlan:
-    """The plan of one ``FastDataParallel`` forward: devices, chunk sizes, context and, with
-    ``split`` (the wrapper's own scatter seam runs), each leaf's split (``on_drop``: told of
-    rows dropped, NOTE [ DataParallel's chunking ])."""
-    devices: list[torch.device] = wrapper._devices if wrapper.device_ids else []
+    """The plan of one forward over ``devices`` (empty: the module runs unreplicated), whose
+    ids as the seams take them are ``ids`` (kept as given, not copied): chunk sizes
+    (``torch.chunk``'s along ``dim``, or ``chunk_sizes=`` / ``balance=``; ``gather_output=False``
+    counts the batch too), context and, with ``split`` (the wrapper's own scatter seam runs),
+    each leaf's split (``on_drop``: told of rows dropped, NOTE [ DataParallel's chunking ])."""
+    devices = list(devices)
     unreplicated = not devices or (len(devices) == 1 and devices[0].type == "cpu")
     sizes, used, batch = None, devices, None
-    if (
-        wrapper.chunk_sizes is not None or wrapper.balance is not None or not wrapper.gather_output
-    ):  # [beyond DP] the devices that get rows, and how many
-        batch = batch_size((inputs, kwargs), wrapper.dim)
+    if chunk_sizes is not None or balance is not None or not gather_output:
+        # [beyond DP] the devices that get rows, and how many
+        batch = batch_size((inputs, kwargs), dim)
         if devices:
-            used, sizes = devices_with_rows(
-                devices, batch, wrapper.dim, wrapper.chunk_sizes, wrapper.balance
-            )
+            used, sizes = devices_with_rows(devices, batch, dim, chunk_sizes, balance)
     custom_split = sizes is not None or len(used) != len(devices)
-    ids = [public_id(d) for d in used] if custom_split else wrapper.device_ids
+    ids = [public_id(d) for d in used] if custom_split else ids
     if not split or unreplicated:
         return StepPlan(ctx, used, ids, sizes, batch, unreplicated, custom_split, verified)
     spec, leaves = flatten_inputs(inputs, kwargs)
-    dims, splits = split_leaves(spec, leaves, len(used), wrapper.dim, sizes, on_drop, True)
+    dims, splits = split_leaves(spec, leaves, len(used), dim, sizes, on_drop, True)
     return StepPlan(
         ctx, used, ids, sizes, batch, False, custom_split, verified, leaves, spec, dims, splits
     )

@@ -310,7 +310,20 @@ class FastDataParallel(DataParallel):
         verified = self._check_device_cached() if self.device_ids else None
         # the plan splits the inputs where the scatter seam is ours (no subclass's, no instance's)
         own = type(self).scatter is FastDataParallel.scatter and "scatter" not in self.__dict__
-        return make_plan(self, inputs, kwargs, ctx, verified, own, self._rows_dropped)
+        return make_plan(
+            inputs,
+            kwargs,
+            devices=self._devices if self.device_ids else [],
+            ids=self.device_ids,
+            dim=self.dim,
+            chunk_sizes=self.chunk_sizes,
+            balance=self.balance,
+            gather_output=self.gather_output,
+            ctx=ctx,
+            verified=verified,
+            split=own,
+            on_drop=self._rows_dropped,
+        )
 
     def _scatter_step(
         self, plan: StepPlan, inputs: tuple[Any, ...], kwargs: dict[str, Any]

@@ -1,28 +1,13 @@
-"""``python -m fastdp info``: what fastdp was built with and which path each stage takes.
+"""``python -m fastdp.info``: the same as ``python -m fastdp info`` (``fastdp/commands/info.py``).
 
-``fastdp.info()`` returns the same as a dict; this module is callable as that function
-(``fastdp/_callable.py``).
+Imported, the name is the function: this module puts ``fastdp.info`` in its own place in
+``sys.modules``, so ``import fastdp.info`` binds the function, as ``import fastdp`` does.
 """
 
-from __future__ import annotations
+import sys
 
-import argparse
-import json
-
-from fastdp._callable import callable_module
-from fastdp._info import format_info, info
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastdp info", description=__doc__.split("\n")[0])
-    p.add_argument("--json", action="store_true", help="print the dict as JSON")
-    args = p.parse_args(argv)
-    d = info()
-    print(json.dumps(d, indent=1, default=str) if args.json else format_info(d))
-    return 0
-
-
-callable_module(__name__, info)
+from fastdp.commands.info import info, main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
+sys.modules[__name__] = info

@@ -2,8 +2,7 @@
 thread-local state, on threads or in turn inline.
 
 The launch strategies and the rule that picks one live in ``fastdp/_launch.py``; the replica
-runners (state, errors, Ctrl-C) in ``fastdp/_runners.py``, re-exported here under the names this
-module has always had.
+runners (state, errors, Ctrl-C) in ``fastdp/_runners.py``.
 """
 
 from __future__ import annotations
@@ -17,28 +16,9 @@ from torch.nn.parallel.parallel_apply import get_a_var
 
 from fastdp import _launch
 from fastdp._devices import accelerator_type, as_device
-from fastdp._runners import (
-    ReplicaAborted,
-    capture_state,
-    raise_first_error,
-    reraise,
-    run_in_turn,
-    run_on_threads,
-)
 from fastdp.sync_batchnorm import replicas_meet
 
-__all__ = [
-    "parallel_apply",
-    "capture_state",
-    "ReplicaAborted",
-    "raise_first_error",
-    "reraise",
-    "run_in_turn",
-    "run_on_threads",
-    "must_run_concurrently",
-]
-
-must_run_concurrently = replicas_meet  # the name this module exported
+__all__ = ["parallel_apply"]
 
 
 def _infer_device(inp: Any) -> torch.device:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fastdp import _backend
+from fastdp._backend import DTYPES  # noqa: F401  (the tests import it from here)
 
 HAS_CUDA = torch.cuda.is_available()
 NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -20,16 +21,6 @@ DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 CPU = torch.device("cpu")
 CPU2 = ["cpu", "cpu"]  # device_ids of two CPU replicas
 BACKENDS = ["ext", "torch"]
-# The dtypes every copy-like op is tested over (bit-exact against its torch reference).
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-]
 # The dtypes the property-based tests draw from (tests/test_scatter_properties.py).
 PROPERTY_DTYPES = [
     torch.bool,

@@ -99,7 +99,7 @@ def pytest_addoption(parser):
 
 
 def pytest_report_header(config):
-    from fastdp._info import info
+    from fastdp.commands.info import info
 
     d = info()
     return (

@@ -285,3 +285,15 @@ def test_a_new_strategy_is_one_class(monkeypatch):
     x = torch.randn(6, 4)
     assert_close(fdp(x), m(x))
     assert order == [2, 1, 0] and fdp.last_launch == "last-first" and fdp.launch == "last-first"
+
+
+def test_parallel_apply_module_exports_its_seam_only():
+    """``fastdp.parallel_apply`` is DataParallel's seam; the runners stay in ``_runners``."""
+    import fastdp._runners as runners
+    import fastdp.parallel_apply as module
+
+    assert module.__all__ == ["parallel_apply"]
+    aliases = [
+        n for n, v in vars(module).items() if getattr(v, "__module__", "") == runners.__name__
+    ]
+    assert aliases == [] and not hasattr(module, "must_run_concurrently")

@@ -86,8 +86,7 @@ def test_a_forward_flattens_and_splits_its_inputs_once(backend, monkeypatch, cas
 
 def test_the_plan_holds_what_the_scatter_needs(backend):
     x, mask = torch.randn(10, 3), torch.randn(10, 2)
-    dp = fastdp.FastDataParallel(Sum(), ["cpu"] * 3)
-    plan = make_plan(dp, (x,), {"mask": mask, "name": "a"}, ctx=None)
+    plan = make_plan((x,), {"mask": mask, "name": "a"}, devices=[CPU] * 3, ids=["cpu"] * 3)
     assert plan.leaves[0] is x and plan.leaves[1] is mask
     assert plan.devices == [CPU] * 3 and plan.dims == [0, 0]
     assert [list(s) for s in plan.splits] == [[4, 4, 2], [4, 4, 2]]
@@ -97,9 +96,10 @@ def test_the_plan_holds_what_the_scatter_needs(backend):
 
 def test_leaves_that_lose_rows_are_narrowed_in_the_plan(backend):
     x, count = torch.randn(10, 3), torch.ones(2)
-    dp = fastdp.FastDataParallel(Sum(), ["cpu"] * 3)
     told = []
-    plan = make_plan(dp, (x,), {"count": count}, ctx=None, on_drop=told.append)
+    plan = make_plan(
+        (x,), {"count": count}, devices=[CPU] * 3, ids=["cpu"] * 3, on_drop=told.append
+    )
     assert [list(s) for s in plan.splits] == [[4, 4], [1, 1]]  # the fewest chunks: 2 replicas
     assert plan.leaves[0].shape == (8, 3) and plan.leaves[0].data_ptr() == x.data_ptr()
     assert len(told) == 1 and "inputs[0] (10 rows, 8 used)" in told[0]
@@ -107,8 +107,7 @@ def test_leaves_that_lose_rows_are_narrowed_in_the_plan(backend):
 
 def test_positional_tensors_are_their_own_leaves(backend):
     x, y = torch.randn(6, 2), torch.randn(6, 5)
-    dp = fastdp.FastDataParallel(Sum(), ["cpu"] * 2, dim=-1)
-    plan = make_plan(dp, (x, y), {}, ctx=None)
+    plan = make_plan((x, y), {}, devices=[CPU] * 2, ids=["cpu"] * 2, dim=-1)
     assert plan.spec is None and plan.leaves == [x, y] and plan.dims == [1, 1]
     assert [list(s) for s in plan.splits] == [[1, 1], [3, 2]]
 
@@ -116,8 +115,7 @@ def test_positional_tensors_are_their_own_leaves(backend):
 def test_scatter_planned_decides_nothing_again(backend, monkeypatch):
     inputs = (torch.randn(7, 3), [torch.randn(7, 2), "tag"])
     kwargs = {"extra": torch.randn(7, 4)}
-    dp = fastdp.FastDataParallel(Sum(), ["cpu"] * 3)
-    plan = make_plan(dp, inputs, kwargs, ctx=None)
+    plan = make_plan(inputs, kwargs, devices=[CPU] * 3, ids=["cpu"] * 3)
     ref = sg.scatter_kwargs(inputs, kwargs, [CPU] * 3)
 
     def refuse(*args, **kwargs):
@@ -158,7 +156,7 @@ def test_an_overridden_scatter_seam_gets_dataparallels_call(backend, monkeypatch
 
     calls = _count(monkeypatch, sg, ["split_leaves"])  # as scatter_kwargs calls it
     dp = Seam(Sum(), ["cpu"] * 2, chunk_sizes=[3, 1])
-    assert make_plan(dp, (torch.ones(4, 2),), {}, None, split=False).leaves is None
+    assert dp._plan((torch.ones(4, 2),), {}, None).leaves is None
     x = torch.randn(4, 2)
     assert_close(dp(x), x * 2)
     assert seen == [(1, {}, [CPU, CPU], [3, 1])]

@@ -61,54 +61,52 @@ def test_planner_rejects_no_devices(backend):
     assert chunk_sizes_for(5, 2) == [3, 2]
 
 
-# The step plan: one object per forward, made before the scatter (issue 21, deliver 1).
-def _plan(fdp, *inputs, **kwargs):
+# The step plan: one object per forward, made before the scatter from explicit arguments.
+CPU = torch.device("cpu")
+
+
+def _plan(*inputs, n=3, **options):
     from fastdp._planner import make_plan
 
-    return make_plan(fdp, inputs, kwargs, ctx=None)
+    options.setdefault("ids", ["cpu"] * n)
+    return make_plan(inputs, {}, devices=[CPU] * n, **options)
 
 
-def test_default_plan_uses_the_wrappers_own_ids_and_torch_chunk():
-    import fastdp
-
-    fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 3)
-    plan = _plan(fdp, torch.randn(10, 3))
-    assert plan.ids is fdp.device_ids and not plan.custom_split and not plan.unreplicated
+def test_default_plan_uses_the_given_ids_and_torch_chunk():
+    ids = ["cpu"] * 3
+    plan = _plan(torch.randn(10, 3), ids=ids)
+    assert plan.ids is ids and not plan.custom_split and not plan.unreplicated
     assert plan.sizes is None and plan.batch is None and plan.chunk_rows(3) is None
+    assert plan.devices == [CPU] * 3 and plan.dims == [0] and list(plan.splits[0]) == [4, 4, 2]
 
 
 def test_chunk_sizes_drop_zero_row_devices_and_give_rows():
-    import fastdp
-
-    fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 3, chunk_sizes=[6, 0, 4])
-    plan = _plan(fdp, torch.randn(10, 3))
+    plan = _plan(torch.randn(10, 3), chunk_sizes=[6, 0, 4])
     assert plan.custom_split and plan.sizes == [6, 4] and len(plan.devices) == 2
-    assert (
-        plan.ids == [torch.device("cpu")] * 2 and plan.chunk_rows(2) == [6, 4] and plan.batch == 10
-    )
+    assert plan.ids == [CPU] * 2 and plan.chunk_rows(2) == [6, 4] and plan.batch == 10
 
 
 def test_scattered_outputs_plan_torch_chunk_rows_of_the_first_input():
-    import fastdp
-
-    fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 4, gather_output=False)
-    plan = _plan(fdp, {"x": torch.randn(10, 3)})
+    plan = _plan({"x": torch.randn(10, 3)}, n=4, gather_output=False)
     assert not plan.custom_split and plan.batch == 10 and plan.chunk_rows(4) == [3, 3, 3, 1]
 
 
 def test_one_cpu_device_and_no_devices_run_the_module_directly():
+    assert _plan(torch.randn(4, 3), n=1).unreplicated
+    none = _plan(torch.randn(4, 3), n=0, ids=[])
+    assert none.unreplicated and none.ids == [] and none.leaves is None
+
+
+def test_the_wrappers_plan_is_make_plan_of_its_settings():
     import fastdp
 
-    one = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"])
-    assert _plan(one, torch.randn(4, 3)).unreplicated
-    none = fastdp.FastDataParallel(torch.nn.Linear(3, 2), [])  # no CUDA here: pass-through
-    if not torch.cuda.is_available():
-        assert (
-            _plan(none, torch.randn(4, 3)).unreplicated and _plan(none, torch.randn(4, 3)).ids == []
-        )
+    fdp = fastdp.FastDataParallel(torch.nn.Linear(3, 2), ["cpu"] * 3, chunk_sizes=[6, 0, 4], dim=0)
+    x = torch.randn(10, 3)
+    got, want = fdp._plan((x,), {}, None), _plan(x, chunk_sizes=[6, 0, 4])
+    assert (got.sizes, got.ids, got.devices) == (want.sizes, want.ids, want.devices)
+    assert [list(s) for s in got.splits] == [list(s) for s in want.splits] == [[6, 4]]
 
 
-# The batch-size rule: one function for the plan, the gathered mean's weights and shard_batch.
 def test_batch_size_skips_leaves_without_the_dim():
     from fastdp._planner import batch_size
 

@@ -1,6 +1,8 @@
 """The build: what was compiled, backend loading, ``fastdp.info()``, ``python -m fastdp.info``."""
 
 import os
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -87,14 +89,41 @@ def test_python_m_fastdp_info_prints_readably():
     assert "RuntimeWarning" not in out.stderr
 
 
+def test_info_and_the_doctor_name_the_accelerator():
+    """Here no accelerator (``none``) on the CPU; tests/accel names the test device."""
+    from fastdp._devices import accelerator_type
+    from fastdp.commands.doctor import doctor, format_report
+
+    kind = accelerator_type() or "none"
+    count = torch.accelerator.device_count() if kind != "none" else 0
+    out = subprocess.run(
+        [sys.executable, "-m", "fastdp", "info"], capture_output=True, text=True, check=True
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("  accelerator "))
+    words = (
+        [kind] if kind == "none" else [f"{kind},", str(count), "devices" if count > 1 else "device"]
+    )
+    assert line.split()[1:] == words
+    report = doctor(only="no check has this name")
+    assert (report["info"]["accelerator"], report["info"]["accelerator_devices"]) == (kind, count)
+    assert f"accelerator: {' '.join(words)}" in format_report(report).splitlines()
+
+
+def test_a_cuda_build_without_a_gpu_is_no_accelerator(monkeypatch):
+    """torch.accelerator names CUDA in a CUDA build with no GPU: fastdp's accelerator is none."""
+    from fastdp.commands.info import accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
+    assert accelerator() == ("none", 0)
+
+
 def test_broken_build_warns_once_and_falls_back(tmp_path):
     """A _C that fails to import: one warning with the real error, then the torch path works."""
     pkg = tmp_path / "fastdp"
-    pkg.mkdir()
     src = os.path.dirname(fastdp.__file__)
-    for name in os.listdir(src):
-        if name.endswith(".py"):
-            (pkg / name).write_text(open(os.path.join(src, name)).read())
+    shutil.copytree(src, pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__", "bench"))
     (pkg / "_C.py").write_text("raise ImportError('simulated broken build')\n")
     code = (
         "import warnings, torch, fastdp\n"
@@ -135,3 +164,39 @@ def test_a_stale_build_missing_a_function_counts_as_not_loaded() -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stale build of fastdp._C lacks scatter_chunks, gather_into" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "pattern, where",
+    [
+        (r"^DTYPES = ", "fastdp"),  # fastdp/_backend.py
+        (r"#define FASTDP_PY_HIDDEN\b", "csrc"),  # csrc/py_hidden.h
+        (r'ignored "-Winterference-size"', "csrc"),  # csrc/cuda/torch_cuda_headers.h
+    ],
+)
+def test_shared_definitions_are_written_once(pattern, where):
+    """Defined in one file, included or imported by the others."""
+    root = pathlib.Path(__file__).resolve().parents[1] / where
+    files = [
+        str(f.relative_to(root))
+        for f in sorted(root.rglob("*"))
+        if f.suffix in (".py", ".h", ".cpp", ".cu")
+        and re.search(pattern, f.read_text(), re.MULTILINE)
+    ]
+    assert len(files) == 1, files
+
+
+def _clang_format() -> str | None:
+    """The clang-format of this interpreter's environment (CI's CPU venv pins the PyPI wheel)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "clang-format")
+    return beside if os.path.exists(beside) else shutil.which("clang-format")
+
+
+@pytest.mark.skipif(_clang_format() is None, reason="clang-format is not installed here")
+def test_csrc_follows_the_checked_in_clang_format_style():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = sorted(str(f) for f in (root / "csrc").rglob("*") if f.suffix in (".h", ".cpp", ".cu"))
+    r = subprocess.run(
+        [_clang_format(), "--dry-run", "-Werror", *files], capture_output=True, text=True, cwd=root
+    )
+    assert (root / ".clang-format").is_file() and r.returncode == 0, r.stderr[-3000:]

@@ -48,8 +48,23 @@ def test_info_prints_the_version():
         "import fastdp; fastdp.info(); import fastdp.info; assert fastdp.info()['version']",
         "from fastdp import info; import fastdp.info; assert info()['version']",
         "import fastdp.doctor, fastdp; assert callable(fastdp.doctor) and callable(fastdp.info)",
+        "import fastdp.doctor as d; from fastdp.commands.doctor import doctor; assert d is doctor",
+        "import fastdp.info, fastdp.commands.info as m; assert fastdp.info is m.info",
     ],
 )
 def test_modules_named_as_functions_stay_callable(code):
     proc = _py("-c", code)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_commands_live_in_their_subpackage():
+    """``python -m fastdp X`` runs ``fastdp.commands.X``; no command module beside the stages."""
+    import pathlib
+
+    from fastdp.commands import COMMANDS as modules
+
+    assert (
+        modules["info"] == "fastdp.commands.info" and modules["doctor"] == "fastdp.commands.doctor"
+    )
+    pkg = pathlib.Path(__file__).resolve().parents[1] / "fastdp"
+    assert not any((pkg / f).exists() for f in ("_info.py", "_doctor_cases.py", "_callable.py"))

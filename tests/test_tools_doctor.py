@@ -12,7 +12,7 @@ import torch
 
 import fastdp
 from fastdp import _backend
-from fastdp.doctor import main
+from fastdp.commands.doctor import doctor, main
 
 needs_ext = pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 
@@ -33,7 +33,7 @@ def test_doctor_passes_here_and_writes_json(tmp_path, capsys) -> None:
 
 
 def test_doctor_function_returns_the_report() -> None:
-    assert fastdp.doctor is sys.modules["fastdp.doctor"] and fastdp.doctor.main is main
+    assert fastdp.doctor is doctor
     report = fastdp.doctor("training parity cpu")
     assert [c["name"] for c in report["checks"]] == ["training parity cpu"]
     assert report["checks"][0]["status"] == "PASS" and report["ok"]

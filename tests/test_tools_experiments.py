@@ -1,7 +1,8 @@
 """The one-off experiments of ``bench/experiments/`` and the A/B table ``bench/ab_summary.py``
-cannot rot unseen: every script imports against today's fastdp, every folder says what it
-measured and where its data is, and the summarisers reproduce the tables committed beside their
-data."""
+cannot rot unseen: every measuring script runs on today's fastdp at a tiny size (one that patched
+the internals of the commit it measured is removed, its README keeping the command and the
+commit), every folder says what it measured and where its data is, and the summarisers reproduce
+the tables committed beside their data."""
 
 from __future__ import annotations
 
@@ -65,10 +66,10 @@ def test_experiment_shell_script_parses_and_names_existing_files(path):
             assert os.path.exists(os.path.join(os.path.dirname(path), rel)), rel
 
 
-# The measuring scripts that reach fastdp only through its public API and the bench's own modules,
-# each run at a tiny size in a fresh process (they switch the extension off process-wide). The
-# others patch private internals of the commit they measured: import-checked only.
+# The measuring scripts: fastdp's public API, the bench's own modules and the extension switch,
+# each run at a tiny size in a fresh process (they switch the extension off process-wide).
 RUNS = [
+    ("compile-calls/calls.py", ()),
     ("noext-anchor/cpu_ratio.py", ("mlp10", "smoke")),
     ("noext-cost/steps.py", ("mlp10", "2")),
     ("instructions/instructions.py", ("noext", "1")),
@@ -90,6 +91,12 @@ def test_experiment_runs_at_a_tiny_size(script, args):
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
     )
+
+
+def test_every_measuring_script_runs_at_a_tiny_size():
+    """Summarisers are checked against their committed tables; every other script is in RUNS."""
+    measuring = {p for p in _ids(SCRIPTS) if os.path.basename(p) != "summarize.py"}
+    assert measuring == {script for script, _ in RUNS}
 
 
 def _printed(main, folder: str, *args: str) -> str:  # noqa: ANN001

@@ -1,8 +1,9 @@
 """One word, one meaning (the words in docs/how-it-works.md): in fastdp/ and csrc/, an identifier
 with "row" or "rows" in it names batch rows, so it lives where batch rows are split, counted or
 copied (the planner, the scatter and gather, their C++); one with "plan" in it names the
-``StepPlan`` or the planner that makes it. One entry per replica is a replica word, a chunk's sizes
-are its split, a broadcast's buckets its layout, the doctor's list its checks."""
+``StepPlan`` or the planner that makes it; "pending", "arm" and "launch" live only where their one
+meaning does (``SCOPED``). One entry per replica is a replica word, a chunk's sizes are its split,
+a broadcast's buckets its layout, the doctor's list its checks."""
 
 from __future__ import annotations
 
@@ -45,10 +46,45 @@ PLAN_FILES = [
     "fastdp/_planner.py",
     "fastdp/data_parallel.py",
     "fastdp/scatter_gather.py",
-    "fastdp/_info.py",
+    "fastdp/commands/info.py",
 ]
 PLAN_NAMES = {"StepPlan", "make_plan", "plan", "_plan", "planner", "scatter_planned"}
 PLAN_WORDS = {"plan", "plans", "planned", "planner", "planners", "planning"}
+# Words held to the files of their one meaning: (words, files, names bound elsewhere by others).
+SCOPED = {
+    # no_sync's gradients held on the replicas until the wrapper folds them into the originals
+    "pending": (
+        {"pending"},
+        ["fastdp/_reducer.py", "fastdp/_replica_set.py", "fastdp/data_parallel.py"],
+        {},
+    ),
+    # prepare_replicas arms the replicas' SyncBatchNorm: one rendezvous for its block's launches.
+    # ``Reducer.arm`` (readying the bucket nodes for a step) is renamed by the no_sync cycle's own
+    # restructuring, which owns both files (DDP's ``prepare_for_backward``).
+    "arm": (
+        {"arm", "arms", "armed", "arming"},
+        ["fastdp/sync_batchnorm.py"],
+        {"fastdp/_reducer.py": {"arm"}, "fastdp/_replica_set.py": {"arm"}},
+    ),
+    # one call per replica (or ZeRO owner) run at once, and how (threads, inline, auto); CUDA's
+    # kernel launches keep torch's name
+    "launch": (
+        {"launch", "launches", "launched", "launching", "launcher"},
+        [
+            "fastdp/_launch.py",
+            "fastdp/_runners.py",
+            "fastdp/parallel_apply.py",
+            "fastdp/data_parallel.py",
+            "fastdp/_replica_set.py",
+            "fastdp/sync_batchnorm.py",
+            "fastdp/zero_optimizer.py",
+            "fastdp/_zero_shards.py",
+            "fastdp/run.py",
+            "fastdp/bench/*",
+        ],
+        {"csrc/cuda/multi_copy.cu": {"C10_CUDA_KERNEL_LAUNCH_CHECK"}},
+    ),
+}
 SOURCES = ["fastdp/**/*.py", "csrc/**/*.cpp", "csrc/**/*.h", "csrc/**/*.cu", "csrc/**/*.cuh"]
 
 CPP_SKIPPED = re.compile(
@@ -87,6 +123,9 @@ def offences(rel: str, text: str) -> list[str]:
         plan_ok = name == "_planner" or (_matches(rel, PLAN_FILES) and name in PLAN_NAMES)
         if w & PLAN_WORDS and not plan_ok:
             out.append(f"{rel}: {name!r}: 'plan' is the StepPlan, named {sorted(PLAN_NAMES)}")
+        for word, (forms, files, bound) in SCOPED.items():
+            if w & forms and not (_matches(rel, files) or name in bound.get(rel, ())):
+                out.append(f"{rel}: {name!r}: {word!r} has one meaning, only in {files}")
     return out
 
 
@@ -95,7 +134,7 @@ def _sources() -> list[str]:
     return sorted(os.path.relpath(f, ROOT) for f in found)
 
 
-def test_rows_are_batch_rows_and_plan_is_the_step_plan():
+def test_each_word_keeps_its_one_meaning():
     bad = []
     for rel in _sources():
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
@@ -117,6 +156,11 @@ def test_rows_are_batch_rows_and_plan_is_the_step_plan():
         ("csrc/scatter.cpp", "int64_t rows = 0; auto plan = 1;\n", 1),
         ("csrc/bindings.cpp", "fastdp::StageRows r = fastdp::stage_rows(s);\n", 0),
         ("csrc/bindings.cpp", "HostCopyPlan p;\n", 1),
+        ("csrc/cuda/gather_cuda.cu", "std::vector<Pending> pending;\n", 2),
+        ("fastdp/_reducer.py", "def take_pending(self): pass\n", 0),
+        ("fastdp/_buckets.py", "armed = launch_order = 1\n", 2),
+        ("fastdp/sync_batchnorm.py", "self.armed = launch_number()\n", 0),
+        ("csrc/cuda/multi_copy.cu", "C10_CUDA_KERNEL_LAUNCH_CHECK();\n", 0),
     ],
 )
 def test_the_words_check_itself(rel, text, bad):

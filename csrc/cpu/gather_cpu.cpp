@@ -20,8 +20,8 @@ std::vector<at::Tensor> cat_slices(const at::Tensor& out, const std::vector<at::
     slices[k] = out.narrow(d, offset, tensors[k].size(d));
     offset += tensors[k].size(d);
   }
-  TORCH_INTERNAL_ASSERT(offset == out.size(d), "fastdp.gather_into: slices cover ", offset,
-                        " of ", out.size(d));
+  TORCH_INTERNAL_ASSERT(offset == out.size(d), "fastdp.gather_into: slices cover ", offset, " of ",
+                        out.size(d));
   return slices;
 }
 

@@ -1,6 +1,6 @@
 #include "cuda/gather_cuda.h"
 
-#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+#include "cuda/torch_cuda_headers.h"  // before any header that includes them
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -73,7 +73,7 @@ void gather_to_device(const at::Tensor& out, const std::vector<at::Tensor>& tens
 }
 
 // One GPU source on its way to the host: its pinned block and the event that says it arrived.
-struct Pending {
+struct InFlight {
   size_t k;
   at::Tensor src;
   PinnedBlock block;
@@ -81,8 +81,8 @@ struct Pending {
 };
 
 void gather_to_host(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& slices) {
-  std::vector<Pending> pending;
-  pending.reserve(tensors.size());
+  std::vector<InFlight> in_flight;
+  in_flight.reserve(tensors.size());
   for (size_t k = 0; k < tensors.size(); ++k) {
     if (!slices[k].defined() || !tensors[k].is_cuda()) continue;
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(tensors[k].get_device());
@@ -97,16 +97,16 @@ void gather_to_host(const std::vector<at::Tensor>& tensors, const std::vector<at
       continue;
     }
     c10::cuda::CUDAGuard guard(src.get_device());
-    C10_CUDA_CHECK(cudaMemcpyAsync(block.data(), src.data_ptr(), nbytes, cudaMemcpyDeviceToHost,
-                                   stream));
+    C10_CUDA_CHECK(
+        cudaMemcpyAsync(block.data(), src.data_ptr(), nbytes, cudaMemcpyDeviceToHost, stream));
     block.record(stream);
-    pending.push_back({k, std::move(src), std::move(block), at::cuda::CUDAEvent()});
-    pending.back().arrived.record(stream);
+    in_flight.push_back({k, std::move(src), std::move(block), at::cuda::CUDAEvent()});
+    in_flight.back().arrived.record(stream);
   }
   for (size_t k = 0; k < tensors.size(); ++k) {  // host sources meanwhile
     if (slices[k].defined() && tensors[k].is_cpu()) slices[k].copy_(tensors[k]);
   }
-  for (Pending& p : pending) {
+  for (InFlight& p : in_flight) {
     p.arrived.synchronize();  // this copy only, never the device
     slices[p.k].copy_(at::from_blob(p.block.data(), p.src.sizes(), p.src.strides(),
                                     p.src.options().device(at::kCPU).pinned_memory(false)));

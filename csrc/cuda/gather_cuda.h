@@ -14,7 +14,6 @@ namespace fastdp {
 // peer-copied straight into it (else into a temporary first); CPU sources go through Tensor.copy_.
 // CPU destination: each GPU source is copied D2H into a pinned block on its device's current
 // stream (all devices overlap), then into its slice once its event completed.
-at::Tensor gather_cuda(const std::vector<at::Tensor>& tensors, int64_t dim,
-                       at::Device destination);
+at::Tensor gather_cuda(const std::vector<at::Tensor>& tensors, int64_t dim, at::Device destination);
 
 }  // namespace fastdp

@@ -129,8 +129,9 @@ bool aligned(const void* p, int64_t w) { return reinterpret_cast<uintptr_t>(p) %
 // Drops size-1 dims, orders by destination stride, merges contiguous runs, and picks the widest
 // unit the layout and alignment allow. False when more than kMaxDims dims remain. numel > 0.
 bool make_desc(const CopySpec& s, Desc& d) {
-  TORCH_CHECK(s.itemsize == 1 || s.itemsize == 2 || s.itemsize == 4 || s.itemsize == 8 ||
-                  s.itemsize == 16, "fastdp: unsupported element size ", s.itemsize);
+  TORCH_CHECK(
+      s.itemsize == 1 || s.itemsize == 2 || s.itemsize == 4 || s.itemsize == 8 || s.itemsize == 16,
+      "fastdp: unsupported element size ", s.itemsize);
   std::vector<Dim> dims;
   for (size_t k = 0; k < s.sizes.size(); ++k) {
     if (s.sizes[k] != 1) dims.push_back({s.sizes[k], s.src_strides[k], s.dst_strides[k]});

@@ -1,6 +1,6 @@
 #include "cuda/peer_access.h"
 
-#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+#include "cuda/torch_cuda_headers.h"  // before any header that includes them
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/PeerToPeerAccess.h>
@@ -74,8 +74,9 @@ bool decide(c10::DeviceIndex a, c10::DeviceIndex b) {
     (void)cudaGetLastError();
     why = std::string("enabling or verifying it failed: ") + e.what_without_backtrace();
   }
-  TORCH_WARN("fastdp: peer access between cuda:", static_cast<int>(a), " and cuda:",
-             static_cast<int>(b), " is reported but ", why, "; copies between them are staged ",
+  TORCH_WARN("fastdp: peer access between cuda:", static_cast<int>(a),
+             " and cuda:", static_cast<int>(b), " is reported but ", why,
+             "; copies between them are staged ",
              "through host memory (set FASTDP_P2P=0 to skip the check)");
   return false;
 }

@@ -2,7 +2,7 @@
 // Pooled, bounded pinned host memory for staging copies, and each device's background copy stream.
 // See NOTE [ Pinned staging ] in pinned_pool.cpp.
 
-#include "cuda/cuda_event.h"  // first: see its comment
+#include "cuda/torch_cuda_headers.h"  // first: see its comment
 
 #include <c10/cuda/CUDAStream.h>
 

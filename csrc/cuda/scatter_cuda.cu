@@ -36,7 +36,8 @@ void scatter_from_device(std::vector<ChunkCopy*>& copies, c10::DeviceIndex src,
   const c10::cuda::CUDAStream dst_stream = c10::cuda::getCurrentCUDAStream(device);
   TORCH_CHECK(!stream_capturing(src_stream) && !stream_capturing(dst_stream),
               "fastdp.scatter_chunks: copies between GPUs (cuda:", static_cast<int>(src),
-              " -> cuda:", static_cast<int>(device), ") are not captured in CUDA graphs by fastdp: "
+              " -> cuda:", static_cast<int>(device),
+              ") are not captured in CUDA graphs by fastdp: "
               "capture on one device, or set FASTDP_DISABLE_EXT=1 for torch's copies");
   const int64_t total = lay_out(copies, 0);
   const at::TensorOptions bytes = at::TensorOptions().dtype(at::kByte);

@@ -1,17 +1,8 @@
 #include "cuda/scatter_host_cuda.h"
 
-#include "cuda/cuda_event.h"  // before any header that includes CUDAEvent.h
+#include "cuda/torch_cuda_headers.h"  // before any header that includes them
 
 #include <ATen/Parallel.h>
-// The host allocator's header trips GCC's -Winterference-size as CUDAEvent.h does (cuda_event.h).
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Winterference-size"
-#include <ATen/core/CachingHostAllocator.h>
-#pragma GCC diagnostic pop
-#else
-#include <ATen/core/CachingHostAllocator.h>
-#endif
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
@@ -77,8 +68,8 @@ void copy_pinned(const ChunkCopy& c, at::Tensor& out, char* dst,
       route_host_copy(src.sizes().vec(), src.strides().vec(), c.strides, item, pitch_limit);
   if (p.kind == HostCopyRoute::kSpan) {
     const at::Tensor scratch = byte_buffer(p.span, stream.device_index());  // for this stream
-    C10_CUDA_CHECK(cudaMemcpyAsync(scratch.data_ptr(), from, p.span, cudaMemcpyHostToDevice,
-                                   stream));
+    C10_CUDA_CHECK(
+        cudaMemcpyAsync(scratch.data_ptr(), from, p.span, cudaMemcpyHostToDevice, stream));
     out.copy_(view_into(scratch, 0, src.scalar_type(), src.sizes(), src.strides()));
   } else if (p.kind == HostCopyRoute::kRows) {
     const size_t n = p.outer_sizes.size();

@@ -1,4 +1,4 @@
-"""The doctor's inputs and how it compares them (the checks are in ``fastdp/doctor.py``).
+"""The doctor's inputs and how it compares them (the checks are in ``fastdp/commands/doctor.py``).
 
 Every copy-like path is run twice on the same inputs, once through the extension and once through
 the torch path of ``fastdp.comm`` (``torch.chunk``/``Tensor.to``/``torch.cat``, and
@@ -18,16 +18,8 @@ from typing import Any
 import torch
 
 from fastdp import _backend
+from fastdp._backend import DTYPES
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-]
 MiB = 1 << 20
 AVOID_EXT = "FASTDP_DISABLE_EXT=1"
 
