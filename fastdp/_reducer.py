@@ -1,11 +1,10 @@
 """The gradient side of the replicas, shaped like DDP's ``Reducer``: ``reduce_add`` (the one
 sum), the per-bucket autograd nodes that call it, and ``Reducer``, one per replica set (its
-nodes, their liveness, unreached buckets, ``no_sync()``'s leaves and fold).
+nodes, their liveness, unreached buckets). ``no_sync()``'s cycle is ``fastdp/_no_sync.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +15,6 @@ from torch.autograd import Function
 from fastdp import _backend, _torch_private
 from fastdp._buckets import assign_buckets
 from fastdp._buckets import nbytes as tensor_bytes
-from fastdp._compiled import mark_static
 from fastdp._transports import count, transport_for
 
 
@@ -151,23 +149,6 @@ class Pending:
 
     def __init__(self, value: bool = True) -> None:
         self.value = value
-
-
-class Probe(Pending):
-    """Whether a micro-step's backward has yet to run; ``then``: what to queue when it runs (a
-    fold that had to wait for it: see ``Reducer.take_pending``)."""
-
-    __slots__ = ("then",)
-
-    def __init__(self) -> None:
-        super().__init__(False)
-        self.then: Any = None
-
-    def ran(self, _grads: Any) -> None:
-        self.value = False
-        then, self.then = self.then, None
-        if then is not None:
-            _torch_private.queue_engine_callback(then)
 
 
 # NOTE [ Unreached buckets ]
@@ -397,85 +378,16 @@ def has_grad_hooks(sources: list[torch.Tensor]) -> bool:
     return any(map(_HOOKS, sources)) or any(map(_POST_HOOKS, sources))
 
 
-def grad_marks(sources: list[torch.Tensor]) -> tuple:
-    """What ``zero_grad`` changes: each source's ``.grad`` identity and version."""
-    return tuple(None if s.grad is None else (id(s.grad), s.grad._version) for s in sources)
-
-
-def make_leaves(
-    tensors: list[list[torch.Tensor]], sources: list[torch.Tensor]
-) -> list[list[torch.Tensor]]:
-    """Per replica, leaves on the persistent tensors' storage (requires_grad as the sources)."""
-    with torch.inference_mode(False), torch.no_grad():
-        return [
-            [t.detach().requires_grad_(s.requires_grad) for t, s in zip(rep, sources)]
-            for rep in tensors
-        ]
-
-
-def fold(
-    pending: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]],
-    stats: dict[str, int] | None = None,
-) -> int:
-    """Add every replica's leaf gradients into their sources' ``.grad`` (plain accumulation's
-    in-place add) through ``reduce_add``; returns how many sources
-    received gradients. A source that required grad when its leaves were made (at its
-    micro-steps' reduce) and that no replica computed a gradient for gets zeros where its
-    ``.grad`` is None (DataParallel's reduce gives every such source one, whatever
-    ``requires_grad`` says since).
-    The leaves' ``.grad`` are taken (None after): a graph still to run its backward adds anew."""
-    received = 0
-    for sources, leaves in pending:
-        hit = [k for k in range(len(sources)) if any(rep[k].grad is not None for rep in leaves)]
-        per_replica = [
-            [rep[k].grad if rep[k].grad is not None else torch.zeros_like(rep[k]) for k in hit]
-            for rep in leaves
-            if any(rep[k].grad is not None for k in hit)
-        ]
-        if not hit:
-            continue
-        for k in set(range(len(sources))) - set(hit):
-            s = sources[k]
-            if s.grad is None and leaves[0][k].requires_grad:
-                s.grad = torch.zeros_like(s)
-        with torch.no_grad():
-            totals = reduce_add(per_replica, sources[0].device, stats=stats)  # never a leaf's .grad
-            for k, total in zip(hit, totals):
-                s = sources[k]
-                if s.grad is None:
-                    s.grad = total
-                elif s.grad.is_sparse and not total.is_sparse:
-                    s.grad = total.add_(s.grad)  # AccumulateGrad's out-of-place dense sum
-                else:
-                    s.grad += total
-        for rep in leaves:
-            for k in hit:
-                rep[k].grad = None
-        received += len(hit)
-    return received
-
-
-# NOTE [ no_sync ]
-# Under ``no_sync()`` (decided at forward time) replicas run on leaves (``detach()`` views of the
-# replica tensors) whose ``.grad`` accumulate on each replica's device: nothing is reduced (a cycle
-# costs the fold and its last step's reduction) until the next grad-enabled forward outside, which
-# folds every generation of leaves (tensors renewed mid-cycle get new leaves; the old keep what
-# graphs still owe them) into the originals' ``.grad`` by plain accumulation. A probe on each
-# replica's first leaf tells whether a micro-step's backward has run: until it has, a refresh
-# renews what that graph saved instead of overwriting it, and a fold runs again when it ends (an
-# engine callback). Copy replicas are refilled every micro-step (``.data`` edits bump no version).
-# ``zero_grad()`` drops pending gradients.
 class Reducer:
     """The gradient side of one replica set (DDP's ``Reducer``, in one process): which sources
     each reduce node serves, the nodes (made once per tensor set with the extension, every step
-    without), whether the last step's graph still needs them, unreached buckets and the leaves
-    of ``no_sync()``. Communication is the transports' (``fastdp/_transports.py``).
+    without), whether the last step's graph still needs them, and unreached buckets.
+    Communication is the transports' (``fastdp/_transports.py``).
 
-    Its one caller is the replica set, which owns the replica tensors: ``start_step`` and
-    ``arm`` once a step, ``link`` when its tensors are new, ``graph_alive`` before it overwrites
-    them; under ``no_sync`` ``start_cycle``, ``new_leaves``, ``drop_if_zeroed``, ``watch``,
-    ``leaves``, and for the wrapper's fold and ``zero_grad``, ``take_pending`` and
-    ``drop_pending``. Every field is private; ``leaves`` and ``graph_alive`` are queries."""
+    Its one caller is the replica set, which owns the replica tensors: ``prepare_for_forward``
+    every step, ``prepare_for_backward`` every step outside ``no_sync``'s micro-steps (and with
+    ``grad=False`` at a cycle's first), ``link`` when its tensors are new, ``graph_alive`` before
+    it overwrites them. Every field is private; ``graph_alive`` is a query."""
 
     def __init__(
         self,
@@ -498,20 +410,9 @@ class Reducer:
         self._nodes: list[Any] = []  # the bucket nodes (their turn: _set_turns)
         self._early = True  # the nodes' turn: NOTE [ Early reduction ]
         self._per_bucket: tuple = (None, [])  # (tensors, per bucket its replicas' of them)
-        self._leaves: list[list[torch.Tensor]] | None = None  # NOTE [ no_sync ]; None outside
-        self._retired: list[list[list[torch.Tensor]]] = []  # this cycle's earlier leaves
-        self._probe = Probe()  # a micro-step's backward has not run yet
-        self._probe_nodes: list[Any] = []  # its leaves' AccumulateGrad nodes, hooked
-        self._probe_at = 0  # where in a replica's leaves to look for the probe: see watch()
-        self._marks: tuple = ()  # grad_marks() of the sources when the cycle started
         self._stream: Any = None  # the destination's current stream at the last link
 
-    def leaves(self) -> list[list[torch.Tensor]] | None:
-        """The replicas' leaves of this ``no_sync`` cycle (per replica, one per source), None
-        outside one. A query: the replica set points its slots at them."""
-        return self._leaves
-
-    def start_step(self) -> None:
+    def prepare_for_forward(self) -> None:
         """A forward starts (the set's ``refresh``): the last backward's bookkeeping of which
         buckets ran is dropped."""
         g = self._group
@@ -561,9 +462,8 @@ class Reducer:
                 if probe is not None:
                     self._probes.append((probe, ext.grad_fn_use_count(probe)))
 
-    def arm(self, tensors: list[list[torch.Tensor]], grad: bool) -> None:
+    def prepare_for_backward(self, tensors: list[list[torch.Tensor]], grad: bool) -> None:
         """This step's forward runs on ``tensors`` and its backward reduces (``grad``), or not."""
-        self._probe.value = False  # whatever a micro-step's graph held was renewed before this
         if not grad:
             self._pending.value = False
             return
@@ -585,8 +485,9 @@ class Reducer:
     # The extension's nodes are made once per tensor set, so a later step under another current
     # stream (a side stream, a graph capture after an eager warm-up) would reduce on the first
     # step's stream, serialised behind it, or under capture depend on the legacy stream, which the
-    # capture refuses. So ``arm`` compares the destination's current stream with the last link's,
-    # once a step, and links afresh when it changed (the Python nodes are linked every step anyway).
+    # capture refuses. So ``prepare_for_backward`` compares the destination's current stream with
+    # the last link's, once a step, and links afresh when it changed (the Python nodes are linked
+    # every step anyway).
 
     # The late turn: a post-accumulate-grad hook acts on ``.grad`` itself, so it sees how many
     # times and in which order the nodes accumulate. A backward may reach a node more than once
@@ -601,91 +502,11 @@ class Reducer:
             _torch_private.set_sequence_nr(node, nr)
 
     def graph_alive(self) -> bool:
-        """Whether the last step's graph (a micro-step's too) may still need the current tensors."""
-        if self._probe.value:
-            return True
+        """Whether the last linked step's graph may still need the current tensors (a
+        micro-step's: ``NoSyncCycle.awaits_backward``). A query."""
         if not self._pending.value:
             return False
         if not self._native:
             return True  # no owner counts without the extension: be conservative
         ext = _backend.ext()
         return any(ext.grad_fn_use_count(t) > base for t, base in self._probes)
-
-    def new_leaves(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
-        """Leaves on ``tensors`` for a ``no_sync`` cycle; the old ones, if any, are retired with
-        their gradients (a graph still alive may add to them) until the fold."""
-        if self._leaves is not None:
-            self._retired.append(self._leaves)
-        self._leaves = make_leaves(tensors, self._sources)
-        self._probe_nodes = []
-        if in_order:  # NOTE [ Compiled replicas run in order ]: inputs at fixed addresses
-            mark_static(self._leaves)
-
-    def watch(self) -> None:
-        """A micro-step's forward runs on the leaves: ``graph_alive`` holds until its backward
-        accumulates into a replica's probe leaf (one hook per replica and leaves): the first that
-        requires grad, or, once that one went without, the first that received a gradient."""
-        if self._probe.value:  # the last probe did not fire
-            got = [
-                k
-                for gen in self._generations()
-                for rep in gen
-                for k, t in enumerate(rep)
-                if t.grad is not None
-            ]
-            if got and min(got) != self._probe_at:
-                self._probe_at, self._probe_nodes = min(got), []
-        if not self._probe_nodes:
-            self._probe = Probe()  # holds no replica tensor: the hooks make no cycle
-            for rep in self._leaves or ():
-                leaf = next((t for t in rep[self._probe_at :] if t.requires_grad), None)
-                if leaf is not None:
-                    node = torch.autograd.graph.get_gradient_edge(leaf).node
-                    node.register_prehook(self._probe.ran)
-                    self._probe_nodes.append(node)
-        self._probe.value = bool(self._probe_nodes)
-
-    def start_cycle(self, tensors: list[list[torch.Tensor]], in_order: bool) -> None:
-        """The first micro-step of a ``no_sync`` cycle: nothing linked, fresh leaves."""
-        self._pending.value = False
-        self._retired = []
-        self.new_leaves(tensors, in_order)
-        self._marks = grad_marks(self._sources)
-
-    def drop_if_zeroed(self) -> None:
-        """A ``zero_grad()`` since the last micro-step drops the pending gradients."""
-        if grad_marks(self._sources) != self._marks:
-            self.drop_pending()
-            self._marks = grad_marks(self._sources)
-
-    def drop_pending(self, zeros: bool = False) -> None:
-        """Forget the pending gradients; ``zeros``: ``zero_grad(set_to_none=False)``, which
-        leaves zeros where plain accumulation would have had a gradient."""
-        generations = self._generations()
-        for gen in generations if zeros else ():
-            if any(leaf.grad is not None for rep in gen for leaf in rep):
-                # a reduce gives every source that required grad then one (zeros if unused)
-                for s, leaf in zip(self._sources, gen[0]):
-                    if s.grad is None and leaf.requires_grad:
-                        s.grad = torch.zeros_like(s)
-        for rep in (rep for gen in generations for rep in gen):
-            for leaf in rep:
-                leaf.grad = None
-
-    def _generations(self) -> list[list[list[torch.Tensor]]]:
-        return self._retired + ([] if self._leaves is None else [self._leaves])
-
-    def take_pending(self) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
-        """``(sources, leaves)`` per generation of this cycle's leaves, with their gradients
-        (none if ``zero_grad`` dropped them), ending the cycle: the next ``no_sync`` micro-step
-        makes fresh leaves. While the last micro-step's backward has yet to run (its forward
-        inside ``no_sync()``, its backward after a forward outside), what it adds to the leaves
-        is folded again when that backward ends."""
-        generations = self._generations()
-        self._leaves, self._retired, self._probe_nodes = None, [], []
-        if not generations or grad_marks(self._sources) != self._marks:
-            return []
-        pending = [(self._sources, leaves) for leaves in generations]
-        if self._probe.value:
-            self._probe.then = functools.partial(fold, pending, self._stats)  # not self: no cycle
-        return pending

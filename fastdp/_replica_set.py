@@ -6,7 +6,7 @@ import enum
 import operator
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,9 @@ from torch.nn import Module
 from fastdp import _backend, _buckets, _torch_private
 from fastdp._compiled import compile_root, is_compiled, mark_static
 from fastdp._launch import Order
+from fastdp._no_sync import NoSyncCycle
 from fastdp._reducer import _HOOKS, _VERSION, Reducer, has_grad_hooks
+from fastdp._renewal import Renew, renewal
 from fastdp._snapshots import ReplicaAttrs, module_dicts, snapshot
 from fastdp.replicate import check_replicatable, clone_tree, finish_tree, point_parameter
 
@@ -64,11 +66,11 @@ class NotCacheable(Exception):
 
 
 class Slots(enum.Enum):
-    """What the replicas' parameter slots point at (set by ``ReplicaSet._assign``)."""
+    """What the replicas' parameter slots point at (set by ``ReplicaSet._assign`` alone)."""
 
     LINKED = "linked"  # the set's tensors, outputs of the reduce nodes (a grad step)
     ORIGINALS = "originals"  # as LINKED, but replica 0 on the originals themselves (no grad)
-    LEAVES = "leaves"  # the reducer's no_sync leaves (NOTE [ no_sync ] in fastdp/_reducer.py)
+    LEAVES = "leaves"  # the no_sync cycle's leaves (NOTE [ no_sync ] in fastdp/_no_sync.py)
 
 
 # NOTE [ Persistent replicas ]
@@ -82,13 +84,14 @@ class Slots(enum.Enum):
 # Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled replicas ].
 class ReplicaSet:
     """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals): the module
-    copies, their tensors and slots, and the gradient side (a ``Reducer``).
+    copies, their tensors and slots, the gradient side (a ``Reducer``) and ``no_sync()``'s
+    cycle (a ``NoSyncCycle``).
 
     The wrapper (``FastDataParallel.replicate`` and its step) is the only caller. Per step:
     ``valid`` (may these replicas serve?), ``refresh`` (this step's replicas), ``launch_order``
     and ``serves`` (for the launch), ``after_launch``; around ``no_sync``: ``runs_on_leaves``,
-    ``holds_pending``, ``take_pending``, ``drop_pending``. Every field is private; a query writes
-    nothing."""
+    ``holds_pending``, ``end_cycle`` (the fold), ``drop_pending``. Every field is private; a
+    query writes nothing."""
 
     def __init__(
         self,
@@ -148,6 +151,7 @@ class ReplicaSet:
         self._reducer = Reducer(  # the gradient side
             self._sources, self._src, self._layout.buckets, stats, native=self._linked
         )
+        self._cycle = NoSyncCycle(self._sources, stats)  # no_sync()'s leaves, probe and fold
         self._roots = self._build()  # the replicas' root modules (compiled ones included)
         if self._linked and self._any_grad:
             self._reducer.link(self._tensors)
@@ -231,7 +235,7 @@ class ReplicaSet:
 
     def _point_slots(self) -> None:
         """Every replica's slots at the tensors ``self._slots`` names."""
-        per_replica = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
+        per_replica = self._cycle.leaves() if self._slots is Slots.LEAVES else self._tensors
         rep0 = self._sources if self._slots is Slots.ORIGINALS else None
         for j, rep in enumerate(self._copies):
             rep_tensors = rep0 if j == 0 and rep0 is not None else per_replica[j]
@@ -274,15 +278,20 @@ class ReplicaSet:
         """Copy the originals into the copy replicas (no autograd): one broadcast per bucket."""
         self._layout.refresh(self._sources, self._stats)
 
-    def _renew(self) -> None:
-        """Fresh replica tensors (and, on the extension path, fresh nodes); slots on them (the
-        linked ones: leaves wait for the caller)."""
-        self._tensors = self._new_tensors()
-        if self._in_turn():
-            mark_static(self._tensors)
-        self._assign(Slots.LINKED if self._slots is Slots.LEAVES else self._slots)
-        if self._linked and self._any_grad:
-            self._reducer.link(self._tensors)
+    def _renew(self, renew: Renew, in_cycle: bool) -> None:
+        """Make afresh what ``renew`` names (``renewal``); ``in_cycle``: a ``no_sync`` cycle holds
+        leaves, which ``Renew.ALL`` renews too (the old keep their gradients until the fold). The
+        caller points the slots at the new tensors."""
+        if renew >= Renew.TENSORS:
+            self._tensors = self._new_tensors()
+            if self._in_turn():
+                mark_static(self._tensors)
+            if self._linked and self._any_grad:
+                self._reducer.link(self._tensors)
+        if renew >= Renew.BUFFERS:
+            self._renew_buffers()
+        if renew is Renew.ALL and in_cycle:
+            self._cycle.new_leaves(self._tensors, self._in_turn())
 
     def _renew_buffers(self) -> None:
         """Fresh buffer copies for replicas 1.. (the old ones stay with the pending graph)."""
@@ -322,38 +331,56 @@ class ReplicaSet:
         self._verified = verified
         if self._stats is not None:
             self._stats["buckets"] = self._n_buckets or self._count_buckets()
-        self._reducer.start_step()
-        renewed = self._tainted()  # first: what the last forward's replicas held, as sealed
-        if renewed:
-            self._renew_all()
-        elif self._attrs.undo_forward_writes():
-            self._point_slots()
+        self._reducer.prepare_for_forward()
         # DataParallel's replicate(detach=True) gives replica 0 the original tensors themselves
         # (a forward's .data = reaches them); with grad, views of them
         originals = not torch.is_grad_enabled()
-        if (
+        # NOTE [ no_sync ]; hooks on the originals must see every micro-step's gradient
+        micro_step = (
             no_sync and self._any_grad and not originals and not has_grad_hooks(self._sources)
-        ):  # NOTE [ no_sync ]; hooks on the originals must see every micro-step's gradient
-            if self._slots is Slots.ORIGINALS:
-                self._slots = Slots.LINKED
-                self._point_slots()
-            return list(self._refresh_no_sync(renewed))
-        if self._slots is Slots.LEAVES:  # back to the linked tensors; the leaves wait for the fold
-            self._assign(Slots.ORIGINALS if originals else Slots.LINKED)
-        elif (self._slots is Slots.ORIGINALS) != originals:
-            self._slots = Slots.ORIGINALS if originals else Slots.LINKED
+        )
+        first = self._cycle.leaves() is None
+        renew = renewal(
+            tainted=self._tainted(),  # what the last forward's replicas held, as sealed
+            graph_alive=self._reducer.graph_alive(),
+            awaits_backward=self._cycle.awaits_backward(),
+            untracked=self._untracked,
+            linked=self._linked,
+            copy_replicas=bool(self._copy_replicas),
+            micro_step=micro_step,
+            first_micro_step=first,
+        )
+        undone = self._attrs.undo_forward_writes()
+        if renew:
+            self._renew(renew, in_cycle=not first)
+        if micro_step:
+            if first:  # the cycle's micro-steps reduce nothing
+                self._reducer.prepare_for_backward(self._tensors, grad=False)
+                self._cycle.start(self._tensors, self._in_turn())
+            else:
+                self._cycle.drop_if_zeroed()
+            slots = Slots.LEAVES
+        else:  # back to the linked tensors; the leaves wait for the fold
+            slots = Slots.ORIGINALS if originals else Slots.LINKED
+        if renew >= Renew.TENSORS or slots is not self._slots:
+            self._assign(slots)
+        elif undone:
             self._point_slots()
-        # a live graph may still need the copies' old values; with no source requiring grad no
-        # node can tell (inputs that require grad make graphs all the same): assume one is
-        if self._reducer.graph_alive() or self._untracked:
-            if not self._linked or self._copy_replicas or self._untracked:
-                self._renew()
-            self._renew_buffers()
         self._copy_buffers()
+        if micro_step:
+            if self._copy_replicas:  # every micro-step: ``p.data.clamp_()`` changes no version
+                with torch.no_grad():
+                    self.copy_sources()
+            self._cycle.watch()
+            self.seal()
+            return list(self._roots)
         if self._copy_replicas:
             self.copy_sources()
         self._untracked = not self._any_grad and torch.is_grad_enabled()
-        self._reducer.arm(self._tensors, self._any_grad and torch.is_grad_enabled())
+        self._cycle.stop_watching()
+        self._reducer.prepare_for_backward(
+            self._tensors, self._any_grad and torch.is_grad_enabled()
+        )
         if self._reseal or self._attrs.snap is None:
             self.seal()
         return list(self._roots)
@@ -364,7 +391,7 @@ class ReplicaSet:
         self._attrs.seal()
         if self._reseal:
             self._reseal = False
-            per_replica = self._reducer.leaves() if self._slots is Slots.LEAVES else self._tensors
+            per_replica = self._cycle.leaves() if self._slots is Slots.LEAVES else self._tensors
             # replica 0 on the originals: those are checked by the wrapper's signature
             first = 1 if self._slots is Slots.ORIGINALS else 0
             self._held = [t for rep in per_replica[first:] for t in rep] + [
@@ -390,7 +417,8 @@ class ReplicaSet:
         """The wrapper calls it after each launch of these replicas, with their outputs: notes a
         graph no bucket node tracks, and warns once per set where a forward wrote in place to a
         frozen parameter the replicas share (README, *Persistent replicas*)."""
-        if self._any_grad and torch.is_grad_enabled() and not self._reducer.graph_alive():
+        alive = self._reducer.graph_alive() or self._cycle.awaits_backward()
+        if self._any_grad and torch.is_grad_enabled() and not alive:
             # a graph that reaches no bucket node (the trainable parameters unused, or used only
             # inside a reentrant checkpoint) may still save replica tensors: assume it lives on
             self._untracked = self._untracked or _requires_grad(outputs)
@@ -419,14 +447,6 @@ class ReplicaSet:
             return self._held_check(held, self._held_ptrs)
         return list(map(torch.Tensor.data_ptr, held)) != self._held_ptrs or any(map(_HOOKS, held))
 
-    def _renew_all(self) -> None:
-        """Fresh tensors for every replica (NOTE [ Tensors a forward changed ]); gradients
-        pending under ``no_sync`` stay on the old leaves until the fold."""
-        self._renew()
-        self._renew_buffers()
-        if self._reducer.leaves() is not None:
-            self._reducer.new_leaves(self._tensors, self._in_turn())
-
     def runs_on_leaves(self) -> bool:
         """Whether the last ``refresh`` gave a ``no_sync`` micro-step (slots on the leaves,
         nothing reduced). A query, for the wrapper's ``no_sync_stats``."""
@@ -434,48 +454,22 @@ class ReplicaSet:
 
     def holds_pending(self) -> bool:
         """Whether gradients of a ``no_sync`` cycle wait on this set's leaves for a fold
-        (``take_pending``). A query."""
-        return self._reducer.leaves() is not None
-
-    def _refresh_no_sync(self, renewed: bool) -> list[Module]:
-        """A micro-step under ``no_sync``: replicas on the reducer's leaves, nothing linked or
-        reduced (NOTE [ no_sync ] in fastdp/_reducer.py). ``renewed``: the set just renewed
-        every tensor."""
-        first = self._reducer.leaves() is None
-        # a graph that saved the copies awaits its backward
-        alive = not renewed and self._reducer.graph_alive()
-        if first:
-            if alive and (self._copy_replicas or not self._linked):
-                self._renew()
-            self._reducer.start_cycle(self._tensors, self._in_turn())
-        else:
-            self._reducer.drop_if_zeroed()
-            if alive and self._copy_replicas:
-                self._renew_all()  # new leaves; the old keep what that graph owes them
-        if alive:
-            self._renew_buffers()
-        if self._slots is not Slots.LEAVES:
-            self._assign(Slots.LEAVES)
-        self._copy_buffers()
-        if self._copy_replicas:  # every micro-step: ``p.data.clamp_()`` changes no version
-            with torch.no_grad():
-                self.copy_sources()
-        self._reducer.watch()
-        self.seal()
-        return self._roots
+        (``end_cycle``). A query."""
+        return self._cycle.leaves() is not None
 
     def drop_pending(self, zeros: bool = False) -> None:
         """``zero_grad()`` (the wrapper's): the gradients pending under ``no_sync`` go (see
-        ``Reducer.drop_pending``)."""
-        self._reducer.drop_pending(zeros)
+        ``NoSyncCycle.drop_pending``)."""
+        self._cycle.drop_pending(zeros)
 
-    def take_pending(self) -> list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]:
-        """The pending ``no_sync`` gradients for the wrapper's fold (``Reducer.take_pending``),
-        ending the cycle; the slots go back to the linked tensors."""
-        pending = self._reducer.take_pending()
+    def end_cycle(self) -> Callable[[], int]:
+        """End the ``no_sync`` cycle and return its fold (``NoSyncCycle.end``), which the
+        wrapper calls once every set's cycle has ended; the slots go back to the linked
+        tensors."""
+        step = self._cycle.end()
         if self._slots is Slots.LEAVES:
             self._assign(Slots.LINKED)
-        return pending
+        return step
 
     def for_tests(self) -> _TestView:
         """A test hook, never called by the library: the set's state, read live, under the
@@ -500,7 +494,7 @@ class _TestView:
     replicas = property(lambda v: v._rs._roots, doc="the replicas' roots")
     tensors = property(lambda v: v._rs._tensors, doc="per replica, one tensor per source")
     sources = property(lambda v: v._rs._sources, doc="the originals the replicas link to")
-    leaves = property(lambda v: v._rs._reducer.leaves(), doc="the no_sync leaves, or None")
+    leaves = property(lambda v: v._rs._cycle.leaves(), doc="the no_sync leaves, or None")
     layout = property(lambda v: v._rs._layout, doc="the copy replicas' flats (``_buckets.Layout``)")
     compile_ctx = property(lambda v: v._rs._ctx, doc="the torch.compile context")
     in_order = property(lambda v: v._rs._in_turn(), doc="whether the replicas run in turn")

@@ -24,7 +24,6 @@ from fastdp._devices import accelerator_type, as_device, as_devices, public_id
 from fastdp._launch import Order
 from fastdp._methods import MethodCall, generate_call, method_call
 from fastdp._planner import StepPlan, batch_size, check_split_args, make_plan
-from fastdp._reducer import fold
 from fastdp._replica_set import NotCacheable, ReplicaSet, tensor_signature
 from fastdp._snapshots import module_dicts, snapshot
 from fastdp._state_dict import load_wrapped_state_dict
@@ -421,10 +420,12 @@ class FastDataParallel(DataParallel):
             rs.drop_pending(zeros=not set_to_none)
 
     def _fold_pending(self) -> None:
-        pending = [p for rs in self._pending_sets.values() for p in rs.take_pending()]
+        # every cycle ends before any fold runs: a fold changes the grad marks another set reads
+        folds = [rs.end_cycle() for rs in self._pending_sets.values()]
         self._pending_sets = {}
         self.no_sync_stats["folds"] += 1
-        fold(pending, self._comm)
+        for fold in folds:
+            fold()
 
     def comm_stats(self) -> dict[str, int]:
         """This step's replication traffic: ``buckets`` (the replica set's buckets, parameters

@@ -1,7 +1,9 @@
-"""The replica set and the reducer keep their state to themselves (docs/how-it-works.md, *Layers*).
+"""The replica set, the reducer and the no_sync cycle keep their state to themselves
+(docs/how-it-works.md, *Layers*).
 
-``ReplicaSet`` (``fastdp/_replica_set.py``) and ``Reducer`` (``fastdp/_reducer.py``) carry state
-across steps. The rules, read from the source (an AST walk, nothing imported):
+``ReplicaSet`` (``fastdp/_replica_set.py``), ``Reducer`` (``fastdp/_reducer.py``) and
+``NoSyncCycle`` (``fastdp/_no_sync.py``) carry state across steps. The rules, read from the
+source (an AST walk, nothing imported):
 
 - every instance attribute is private and declared in ``__init__``, with a comment on its line;
 - no other module of the library and no test reads or writes one of them: callers use the
@@ -22,7 +24,11 @@ from pathlib import Path
 import pytest
 from models import ROOT
 
-GUARDED = {"ReplicaSet": "fastdp/_replica_set.py", "Reducer": "fastdp/_reducer.py"}
+GUARDED = {
+    "ReplicaSet": "fastdp/_replica_set.py",
+    "Reducer": "fastdp/_reducer.py",
+    "NoSyncCycle": "fastdp/_no_sync.py",
+}
 QUERIES = {
     "ReplicaSet": [
         "valid",
@@ -32,7 +38,8 @@ QUERIES = {
         "holds_pending",
         "for_tests",
     ],
-    "Reducer": ["leaves", "graph_alive"],
+    "Reducer": ["graph_alive"],
+    "NoSyncCycle": ["leaves", "awaits_backward"],
 }
 TEST_HOOKS = {"for_tests"}  # public methods only tests may call
 
@@ -201,3 +208,10 @@ def test_the_walk_sees_a_violation():
     )
     hits = foreign_accesses(Path("probe.py"), {"_tensors", "_sources", "_reducer"}, source)
     assert [h.split(": ")[1] for h in hits] == ["._tensors", "._sources"]
+
+
+def test_the_slot_mode_changes_in_one_place():
+    """``ReplicaSet._slots`` (what the replicas' slots point at) is written by ``_assign`` alone,
+    besides its declaration: every mode change also re-points the slots."""
+    attrs = instance_attributes(_class(_parse(Path(ROOT) / GUARDED["ReplicaSet"]), "ReplicaSet"))
+    assert sorted({method for method, _ in attrs["_slots"]}) == ["__init__", "_assign"]

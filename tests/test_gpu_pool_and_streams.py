@@ -255,9 +255,9 @@ def test_a_step_under_side_streams_on_two_gpus_gives_the_plain_gradients() -> No
 
 
 def test_a_step_captured_after_a_default_stream_warm_up_replays_the_plain_gradients() -> None:
-    """Nodes follow the current stream (``Reducer.arm``): the bucket nodes linked in the eager
-    warm-up on the default stream are linked afresh under the capture's stream (else the captured
-    backward depends on the legacy stream and the capture fails)."""
+    """Nodes follow the current stream (``Reducer.prepare_for_backward``): the bucket nodes
+    linked in the eager warm-up on the default stream are linked afresh under the capture's
+    stream (else the captured backward depends on the legacy stream and the capture fails)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).cuda()
     ref = copy.deepcopy(model)

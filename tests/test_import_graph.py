@@ -182,3 +182,15 @@ def test_the_checker_sees_function_level_and_skips_type_checking_imports():
     assert upward({"_tree": {"_launch"}, "_launch": set()}, {"_tree": 1, "_launch": 7}) == [
         ("_tree", "_launch")
     ]
+
+
+def test_the_no_sync_cycle_sits_on_the_reducer_and_the_wrapper_reaches_neither(graph):
+    """``NoSyncCycle`` (``_no_sync``) folds through the reducer's sum; the reducer knows nothing
+    of the cycle; the wrapper asks the replica set to fold (no gradient lists cross from the
+    reducer to it); the renewal rule is a pure function that imports nothing of the package."""
+    assert "_reducer" in graph["_no_sync"]
+    assert "_no_sync" not in graph["_reducer"]
+    assert {"_no_sync", "_reducer"} <= graph["_replica_set"]
+    assert graph["data_parallel"] & {"_no_sync", "_reducer"} == set()
+    assert graph["_renewal"] == set()
+    assert "_renewal" in graph["_replica_set"]

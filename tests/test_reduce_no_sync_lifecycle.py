@@ -1,7 +1,7 @@
 """``no_sync()`` micro-steps whose replica tensors change under them, and backward orders that
 reach a bucket node more than once: persistent replicas must give what ``persistent=False``
 (DataParallel's fresh replicas, reduced every step) gives, in both storage modes and under every
-launch strategy. See NOTE [ no_sync ] in ``fastdp/_reducer.py``.
+launch strategy. See NOTE [ no_sync ] in ``fastdp/_no_sync.py``.
 """
 
 import copy

@@ -1,7 +1,7 @@
 """The streams and NCCL calls of a reduce on the CPU, CUDA's streams, events and NCCL calls
 faked: NOTE [ Streams of a reduce across devices ] and ``NCCL_LOCK`` in
-fastdp/_transports.py, the nodes relinked on a stream change in ``Reducer.arm``. The GPU
-tests are in tests/test_gpu_pool_and_streams.py."""
+fastdp/_transports.py, the nodes relinked on a stream change in
+``Reducer.prepare_for_backward``. The GPU tests are in tests/test_gpu_pool_and_streams.py."""
 
 from __future__ import annotations
 
@@ -147,9 +147,9 @@ def test_two_threads_nccl_calls_never_overlap(monkeypatch) -> None:
 
 @pytest.mark.skipif(not _backend.loaded(), reason="fastdp._C is not built")
 def test_the_nodes_are_linked_afresh_when_the_destinations_stream_changes(monkeypatch) -> None:
-    """Nodes follow the current stream (``Reducer.arm``), the current stream faked on CPU replicas:
-    the extension's nodes serve every step under one stream, a step under another gets new ones, and
-    the gradients stay the plain module's."""
+    """Nodes follow the current stream (``Reducer.prepare_for_backward``), the current stream
+    faked on CPU replicas: the extension's nodes serve every step under one stream, a step under
+    another gets new ones, and the gradients stay the plain module's."""
     stream, links = ["default"], []
     link_bucket = fastdp._reducer.link_bucket
     monkeypatch.setattr(fastdp._reducer, "_stream_of", lambda device: stream[0], raising=False)
