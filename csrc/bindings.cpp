@@ -229,7 +229,7 @@ PYBIND11_MODULE(_C, m) {
            "while a CUDA graph is captured.")
       .def("size", &fastdp::HostBlockPool::size, py::arg("block"))
       .def("record", &fastdp::HostBlockPool::record, py::arg("block"),
-           "A pending event on the lent block; returns its id.")
+           "An outstanding event on the lent block (until complete()); returns its id.")
       .def("complete", &fastdp::HostBlockPool::complete, py::arg("event"))
       .def("completed", &fastdp::HostBlockPool::completed, py::arg("event"))
       .def("release", &fastdp::HostBlockPool::release, py::arg("block"))

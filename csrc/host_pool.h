@@ -84,7 +84,7 @@ class FASTDP_PY_HIDDEN HostBlockPool {
   // The graph of the capturing acquires since the last call.
   HostGraph end_capture() { return HostGraph(std::exchange(capture_, {})); }
   int64_t size(uintptr_t block) const { return static_cast<int64_t>(get(block)->size); }
-  // An event on the lent block, pending until complete(); returns its id.
+  // An event on the lent block, outstanding until complete(); returns its id.
   int64_t record(uintptr_t block) {
     auto e = std::make_shared<std::atomic<bool>>(false);
     get(block)->events.push_back(e);

@@ -142,8 +142,10 @@ def _reduce_sparse_bucket(
     return results
 
 
-class Pending:
-    """Whether a step's graph still awaits its backward (see NOTE [ Persistent replicas ])."""
+class ExpectBackward:
+    """Whether a step's graph still awaits its backward (DDP's ``expect_autograd_hooks_``; see
+    NOTE [ Persistent replicas ]): set by ``prepare_for_backward``, cleared by a bucket node's
+    backward."""
 
     __slots__ = ("value",)
 
@@ -226,7 +228,7 @@ class BucketGroup:
 class BucketLink:
     """What a bucket's node needs in backward; holds no replica tensor (no cycles)."""
 
-    __slots__ = ("index", "n", "nbytes", "dest", "stats", "pending", "group")
+    __slots__ = ("index", "n", "nbytes", "dest", "stats", "expect_backward", "group")
 
     def __init__(
         self,
@@ -234,20 +236,21 @@ class BucketLink:
         sources: Sequence[torch.Tensor],
         dest: torch.device,
         stats: dict[str, int] | None,
-        pending: Pending,
+        expect_backward: ExpectBackward,
         group: BucketGroup,
         nbytes: int | None = None,
     ) -> None:
         if nbytes is None:
             nbytes = sum(map(tensor_bytes, sources))
         self.index, self.n, self.nbytes = index, len(sources), nbytes
-        self.dest, self.stats, self.pending, self.group = dest, stats, pending, group
+        self.dest, self.stats, self.group = dest, stats, group
+        self.expect_backward = expect_backward
 
     def ran(self, local: bool, fresh: int) -> None:
         """The node's backward starts (the C++ node sums ``local`` replicas itself, ``fresh`` of
         them into new tensors: NOTE [ Summing in place ] in csrc/bucket_reduce.cpp). Called
         from the node's backward with the GIL taken for it: no call it can spare."""
-        self.pending.value = False
+        self.expect_backward.value = False
         if len(self.group.sources) > 1:  # one bucket cannot go unreached
             self.group.bucket_ran(self.index)
         stats = self.stats
@@ -294,7 +297,7 @@ class BucketReduce(Function):
     @_torch_private.untraced  # as the C++ node: compiled autograd runs it, never traces it
     def backward(ctx, *grads):
         link = ctx.link
-        link.pending.value = False
+        link.expect_backward.value = False
         if len(link.group.sources) > 1:
             link.group.mark(link.index)
         n = link.n
@@ -405,7 +408,7 @@ class Reducer:
         per_bucket = [[sources[i] for i in b] for b in buckets]
         self._group = BucketGroup(per_bucket)  # which buckets ran in this backward
         self._bucket_sources = [(s, sum(map(tensor_bytes, s))) for s in per_bucket]  # and bytes
-        self._pending = Pending(False)  # whether the last step's graph awaits its backward
+        self._expect_backward = ExpectBackward(False)  # the last step's graph awaits its backward
         self._probes: list[tuple[torch.Tensor, int]] = []  # (a node's output, its owner count)
         self._nodes: list[Any] = []  # the bucket nodes (their turn: _set_turns)
         self._early = True  # the nodes' turn: NOTE [ Early reduction ]
@@ -419,10 +422,10 @@ class Reducer:
         if g.tasks:  # the last backward's bookkeeping
             g.reset()
 
-    def link(self, tensors: list[list[torch.Tensor]], pending: Pending | None = None) -> None:
+    def link(self, tensors: list[list[torch.Tensor]], expect: ExpectBackward | None = None) -> None:
         """One reduce node per bucket (grad mode on), whose outputs are ``tensors`` (per replica,
         one per source) themselves."""
-        self._pending = Pending(False) if pending is None else pending
+        self._expect_backward = ExpectBackward(False) if expect is None else expect
         self._probes = []
         self._stream = _stream_of(self._dest)
         if self._per_bucket[0] is not tensors:  # per tensor set, not per step
@@ -441,7 +444,7 @@ class Reducer:
             pairs = zip(self._per_bucket[1], self._bucket_sources)
             for b, (per_replica, (sources, size)) in enumerate(pairs):
                 link = BucketLink(
-                    b, sources, self._dest, self._stats, self._pending, self._group, size
+                    b, sources, self._dest, self._stats, self._expect_backward, self._group, size
                 )
                 node = link_bucket(
                     link,
@@ -465,20 +468,20 @@ class Reducer:
     def prepare_for_backward(self, tensors: list[list[torch.Tensor]], grad: bool) -> None:
         """This step's forward runs on ``tensors`` and its backward reduces (``grad``), or not."""
         if not grad:
-            self._pending.value = False
+            self._expect_backward.value = False
             return
         early = not any(map(_POST_HOOKS, self._sources))
         if self._native and _stream_of(self._dest) != self._stream:
             self._early = early  # nodes follow the current stream (see below)
-            self.link(tensors, Pending(True))
+            self.link(tensors, ExpectBackward(True))
         elif self._native:  # the nodes made by link() serve every step
-            self._pending.value = True
+            self._expect_backward.value = True
             if early != self._early:
                 self._early = early
                 self._set_turns()
         else:
             self._early = early
-            self.link(tensors, Pending(True))
+            self.link(tensors, ExpectBackward(True))
 
     # Nodes follow the current stream: autograd runs a node on the stream that was current on its
     # device when the node was made (its outputs' metadata), after every incoming gradient's stream.
@@ -504,7 +507,7 @@ class Reducer:
     def graph_alive(self) -> bool:
         """Whether the last linked step's graph may still need the current tensors (a
         micro-step's: ``NoSyncCycle.awaits_backward``). A query."""
-        if not self._pending.value:
+        if not self._expect_backward.value:
             return False
         if not self._native:
             return True  # no owner counts without the extension: be conservative

@@ -83,8 +83,8 @@ class Slots(enum.Enum):
 # refresh the set renews its tensors and nodes rather than overwrite what the graph needs.
 # Rebuilds: NOTE [ Replica invalidation ]; compiled modules: NOTE [ Compiled replicas ].
 class ReplicaSet:
-    """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals): the module
-    copies, their tensors and slots, the gradient side (a ``Reducer``) and ``no_sync()``'s
+    """Replicas of ``network`` on ``devices`` (``devices[0]`` holds the originals): the replica
+    modules, their tensors and slots, the gradient side (a ``Reducer``) and ``no_sync()``'s
     cycle (a ``NoSyncCycle``).
 
     The wrapper (``FastDataParallel.replicate`` and its step) is the only caller. Per step:
@@ -131,7 +131,7 @@ class ReplicaSet:
         self._held: list[torch.Tensor] = []  # what the replicas held when last sealed
         self._held_ptrs: list[int] | bytes = []  # bytes: packed by the extension
         self._held_check: Any = None  # the extension's held_changed, where it sealed
-        self._reseal = True  # what the replicas hold changed since: see seal()
+        self._reseal = True  # what the replicas hold changed since: see _seal()
         self._shared_frozen: list[torch.Tensor] = []  # see _warn_shared_writes()
         self._shared_versions: list[int] = []  # their versions when sealed
         self._warned_shared = False  # _SHARED_WRITE said once per set
@@ -143,7 +143,7 @@ class ReplicaSet:
         self._buffer_copies: list[list[torch.Tensor]] = []  # per replica 1.., its buffers
         self._slots_at: list[tuple[int, str, int]] = []  # (module, key, source)
         self._buffer_slots: list[tuple[int, int, str, int]] = []  # (replica, module, key, buffer)
-        self._copies: list[list[Module]] = []  # per replica, its modules (``_net`` order)
+        self._replicas: list[list[Module]] = []  # per replica, its modules (``_net`` order)
         self._attrs: ReplicaAttrs | None = None  # the replicas' dicts as built, to undo writes
         with torch.inference_mode(False):  # replica tensors must be normal tensors
             self._tensors = self._new_tensors()  # per replica, one per source
@@ -190,16 +190,16 @@ class ReplicaSet:
     def _build(self) -> list[Module]:
         src_index = {t: k for k, t in enumerate(self._sources)}
         buf_index = {t: k for k, t in enumerate(self._bufs)}
-        copies = clone_tree(self._net, len(self._devs))
+        replicas = clone_tree(self._net, len(self._devs))
         for i, m in enumerate(self._net):
             for key, p in m._parameters.items():
                 if p is None:
-                    for rep in copies:
+                    for rep in replicas:
                         rep[i]._parameters[key] = None
                 else:
                     self._slots_at.append((i, key, src_index[p]))
             for key, b in m._buffers.items():
-                for j, rep in enumerate(copies):
+                for j, rep in enumerate(replicas):
                     if b is None:
                         rep[i]._buffers[key] = None
                     elif b in src_index:
@@ -210,14 +210,14 @@ class ReplicaSet:
                         if j:
                             self._buffer_slots.append((j, i, key, buf_index[b]))
         # before the snapshots below: see NOTE [ Compiled replicas ]
-        finish_tree(self._net, copies, compiled=self._ctx is not None)
-        roots = [compile_root(rep[0], self._ctx) for rep in copies]
+        finish_tree(self._net, replicas, compiled=self._ctx is not None)
+        roots = [compile_root(rep[0], self._ctx) for rep in replicas]
         if self._in_turn():  # NOTE [ Compiled replicas run in order ]: inputs at fixed addresses
             mark_static(self._tensors)
             mark_static(self._buffer_copies)
-        self._copies = copies
+        self._replicas = replicas
         self._assign(Slots.LINKED)
-        self._attrs = ReplicaAttrs([r for rep in copies for r in rep])
+        self._attrs = ReplicaAttrs([r for rep in replicas for r in rep])
         return roots
 
     def _assign(self, slots: Slots) -> None:
@@ -237,7 +237,7 @@ class ReplicaSet:
         """Every replica's slots at the tensors ``self._slots`` names."""
         per_replica = self._cycle.leaves() if self._slots is Slots.LEAVES else self._tensors
         rep0 = self._sources if self._slots is Slots.ORIGINALS else None
-        for j, rep in enumerate(self._copies):
+        for j, rep in enumerate(self._replicas):
             rep_tensors = rep0 if j == 0 and rep0 is not None else per_replica[j]
             for i, key, k in self._slots_at:
                 r, t = rep[i], rep_tensors[k]
@@ -248,7 +248,7 @@ class ReplicaSet:
             for i in self._rnn_modules:
                 _point_rnn_cache(rep[i])
         for j, i, key, k in self._buffer_slots:
-            self._copies[j][i]._buffers[key] = self._buffer_copies[j - 1][k]
+            self._replicas[j][i]._buffers[key] = self._buffer_copies[j - 1][k]
         self._reseal = True
 
     def valid(self, verified: Any = None) -> bool:
@@ -274,7 +274,7 @@ class ReplicaSet:
         step. A query."""
         return self._order
 
-    def copy_sources(self) -> None:
+    def _copy_sources(self) -> None:
         """Copy the originals into the copy replicas (no autograd): one broadcast per bucket."""
         self._layout.refresh(self._sources, self._stats)
 
@@ -294,7 +294,7 @@ class ReplicaSet:
             self._cycle.new_leaves(self._tensors, self._in_turn())
 
     def _renew_buffers(self) -> None:
-        """Fresh buffer copies for replicas 1.. (the old ones stay with the pending graph)."""
+        """Fresh buffer copies for replicas 1.. (the old ones stay with a live graph)."""
         if not self._buffer_slots:
             return
         with torch.inference_mode(False):
@@ -302,7 +302,7 @@ class ReplicaSet:
         if self._in_turn():
             mark_static(self._buffer_copies)
         for j, i, key, k in self._buffer_slots:
-            self._copies[j][i]._buffers[key] = self._buffer_copies[j - 1][k]
+            self._replicas[j][i]._buffers[key] = self._buffer_copies[j - 1][k]
         self._reseal = True
 
     def _copy_buffers(self) -> None:
@@ -370,22 +370,22 @@ class ReplicaSet:
         if micro_step:
             if self._copy_replicas:  # every micro-step: ``p.data.clamp_()`` changes no version
                 with torch.no_grad():
-                    self.copy_sources()
+                    self._copy_sources()
             self._cycle.watch()
-            self.seal()
+            self._seal()
             return list(self._roots)
         if self._copy_replicas:
-            self.copy_sources()
+            self._copy_sources()
         self._untracked = not self._any_grad and torch.is_grad_enabled()
         self._cycle.stop_watching()
         self._reducer.prepare_for_backward(
             self._tensors, self._any_grad and torch.is_grad_enabled()
         )
         if self._reseal or self._attrs.snap is None:
-            self.seal()
+            self._seal()
         return list(self._roots)
 
-    def seal(self) -> None:
+    def _seal(self) -> None:
         """The replicas start a step as the set made them: their dicts, and what their tensors
         are (NOTE [ Tensors a forward changed ]). Called by ``refresh``."""
         self._attrs.seal()

@@ -13,15 +13,15 @@ from fastdp import _backend
 
 
 # NOTE [ Replica invalidation ]
-# Persistent replicas are shallow copies, rebuilt when what they copied changed: each step
-# compares, by identity, every key and value of the originals' ``__dict__``, ``_parameters``,
-# ``_buffers`` and ``_modules`` with a snapshot (``DictSnapshot``: held references, so no address
-# is reused; C++ with the extension), which sees plain attributes, ``training``, the tree and
-# replaced tensors however written (``m.__dict__[k] = v`` too), and rebinding what is already
-# bound (``model.train()`` each step) as no change; tensor identity, storage, shape, strides,
-# dtype, device, ``requires_grad``: ``tensor_signature``. Unseen: changes inside a held object (a
-# list appended to): ``FastDataParallel.invalidate_replicas()``. In-place tensor updates need
-# nothing (every step copies), nor hooks (the replicas share the hook dicts).
+# Persistent replicas hold shallow copies of the originals' dicts, rebuilt when those changed: each
+# step compares, by identity, every key and value of the originals' ``__dict__``, ``_parameters``,
+# ``_buffers`` and ``_modules`` with a snapshot (``DictSnapshot``: held references, so no address is
+# reused; C++ with the extension), which sees plain attributes, ``training``, the tree and replaced
+# tensors however written (``m.__dict__[k] = v`` too), and rebinding what is already bound
+# (``model.train()`` each step) as no change; tensor identity, storage, shape, strides, dtype,
+# device, ``requires_grad``: ``tensor_signature``. Unseen: changes inside a held object (a list
+# appended to): ``FastDataParallel.invalidate_replicas()``. In-place tensor updates need nothing
+# (every step copies), nor hooks (the replicas share the hook dicts).
 class _PyDictSnapshot:
     """``fastdp._C.DictSnapshot`` without the extension (same contract): one pass over all the
     entries at C speed (``map``), per dict only when something changed."""

@@ -49,20 +49,20 @@ def check_replicatable(network: Module, params: list[torch.Tensor]) -> None:
 
 
 def clone_tree(modules: list[Module], num: int) -> list[list[Module]]:
-    """``num`` copies of the tree whose ``modules()`` are ``modules``, children wired inside each
-    copy; parameters and buffers are the caller's to set. The one replica builder of
+    """``num`` replicas of the tree whose ``modules()`` are ``modules``, children wired inside each
+    replica; parameters and buffers are the caller's to set. The one replica builder of
     ``replicate`` and ``ReplicaSet``."""
     index = {m: i for i, m in enumerate(modules)}
     # NOTE [ Compiled replicas ] in fastdp/_compiled.py: what replicate_module copies
-    copies = [[replicate_module(m) for m in modules] for _ in range(num)]
+    replicas = [[replicate_module(m) for m in modules] for _ in range(num)]
     for i, m in enumerate(modules):
         for key, child in m._modules.items():
-            for rep in copies:
+            for rep in replicas:
                 if child is None:
                     rep[i]._modules[key] = None
                 else:
                     setattr(rep[i], key, rep[index[child]])
-    return copies
+    return replicas
 
 
 def point_parameter(replica: Module, key: str, t: torch.Tensor) -> None:
@@ -74,7 +74,7 @@ def point_parameter(replica: Module, key: str, t: torch.Tensor) -> None:
     replica._former_parameters[key] = t
 
 
-def _rebind_methods(modules: list[Module], copies: list[list[Module]]) -> None:
+def _rebind_methods(modules: list[Module], replicas: list[list[Module]]) -> None:
     """Methods bound to a module of the tree in its ``__dict__`` (``model.forward = MethodType(f,
     model)``: accelerate's convert_outputs_to_fp32, PEFT, TRL) bound to the replica instead: a
     replica's dict is a copy, and DataParallel's replica k computes with the original's weights
@@ -91,20 +91,20 @@ def _rebind_methods(modules: list[Module], copies: list[list[Module]]) -> None:
                 index = {id(mod): k for k, mod in enumerate(modules)}
             k = index.get(id(value.__self__))
             if k is not None:
-                for rep in copies:
+                for rep in replicas:
                     rep[i].__dict__[key] = MethodType(value.__func__, rep[k])
 
 
-def finish_tree(modules: list[Module], copies: list[list[Module]], compiled: bool) -> None:
+def finish_tree(modules: list[Module], replicas: list[list[Module]], compiled: bool) -> None:
     """After the tensors are set: methods bound in a module's dict bound to its replica
     (``_rebind_methods``), each replica finished from its module; with ``compiled`` code the
     compile budget scaled to the replicas (``_compiled.budget_for``)."""
-    _rebind_methods(modules, copies)
-    for rep in copies:
+    _rebind_methods(modules, replicas)
+    for rep in replicas:
         for m, r in zip(modules, rep):
             finish_replica(m, r)
     if compiled or any(is_compiled(m) for m in modules):
-        budget_for(len(copies))
+        budget_for(len(replicas))
 
 
 def _broadcast(tensors: list[torch.Tensor], devices: list[torch.device], detach: bool):
@@ -137,22 +137,22 @@ def replicate(network: T, devices: Sequence[Any], detach: bool = False) -> list[
     not_rg_copies = _broadcast(not_rg, devices, True)
 
     modules = list(network.modules())
-    copies = clone_tree(modules, len(devices))
+    replicas = clone_tree(modules, len(devices))
     for i, module in enumerate(modules):
         for key, param in module._parameters.items():
-            for j, rep in enumerate(copies):
+            for j, rep in enumerate(replicas):
                 replica = rep[i]
                 if param is None:
                     replica._parameters[key] = None
                     continue
                 point_parameter(replica, key, param_copies[j][param_indices[param]])
         for key, buf in module._buffers.items():
-            for j, rep in enumerate(copies):
+            for j, rep in enumerate(replicas):
                 if buf is None:
                     rep[i]._buffers[key] = None
                 elif buf.requires_grad and not detach:
                     setattr(rep[i], key, rg_copies[j][rg_idx[buf]])
                 else:
                     setattr(rep[i], key, not_rg_copies[j][not_rg_idx[buf]])
-    finish_tree(modules, copies, compiled=False)
-    return [rep[0] for rep in copies]
+    finish_tree(modules, replicas, compiled=False)
+    return [rep[0] for rep in replicas]

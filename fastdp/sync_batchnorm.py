@@ -33,7 +33,7 @@ _warned_subclass = False
 
 
 class CallbackContext:
-    """The context shared by the copies of one module in ``__data_parallel_replicate__``."""
+    """The context shared by the replicas of one module in ``__data_parallel_replicate__``."""
 
 
 # NOTE [ Synchronising replicas without a barrier in backward ]

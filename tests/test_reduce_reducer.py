@@ -96,14 +96,19 @@ def test_the_native_bucket_node_sums_as_reduce_add_does(n):
         rows = [[s.detach().clone() for s in src] for _ in range(n)]
         r = fastdp._reducer
         link = r.BucketLink(
-            0, src, torch.device("cpu"), _transports.new_stats(), r.Pending(), r.BucketGroup([src])
+            0,
+            src,
+            torch.device("cpu"),
+            _transports.new_stats(),
+            r.ExpectBackward(),
+            r.BucketGroup([src]),
         )
         with torch.enable_grad():
             fastdp._reducer.link_bucket(link, rows, src, native=native)
         outs = [rows[j][k] * (j + 1.5) for j in range(n) for k in (0, 2)]  # row 0's k=1 unused
         torch.autograd.backward([o.sum() for o in outs])
         grads[native] = [None if s.grad is None else s.grad.clone() for s in src]
-        assert link.stats["reduces"] == (n > 1) and not link.pending.value
+        assert link.stats["reduces"] == (n > 1) and not link.expect_backward.value
     assert grads[True][1] is None and grads[False][1] is None
     for a, b in zip(grads[True], grads[False]):
         if a is not None:

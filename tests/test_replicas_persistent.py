@@ -79,7 +79,7 @@ def test_fifty_step_training_matches_plain_module(backend, opt_name):
 
 
 def test_two_forwards_before_one_backward(backend):
-    """The first graph is still pending when the second forward refreshes: no in-place
+    """The first graph is still alive when the second forward refreshes: no in-place
     clobbering of tensors it saved (plain PyTorch allows this pattern, so must we)."""
     torch.manual_seed(0)
     model = ScaledMLP()

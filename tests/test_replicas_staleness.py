@@ -153,7 +153,7 @@ def test_scenarios_fail_without_refresh(monkeypatch):
 
     monkeypatch.setattr(_backend, "_enabled", False)
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "1")  # copies, as on other devices
-    monkeypatch.setattr(ReplicaSet, "copy_sources", lambda self: None)
+    monkeypatch.setattr(ReplicaSet, "_copy_sources", lambda self: None)
     caught = [n for n, (_, by) in SCENARIOS.items() if by == "refresh"]
     assert all(_fails(n) for n in caught)
 

@@ -50,22 +50,18 @@ PLAN_FILES = [
 ]
 PLAN_NAMES = {"StepPlan", "make_plan", "plan", "_plan", "planner", "scatter_planned"}
 PLAN_WORDS = {"plan", "plans", "planned", "planner", "planners", "planning"}
-# Words held to the files of their one meaning: (words, files, names bound elsewhere by others).
+# Words held to the files of their one meaning: (words, files, names allowed in other files).
 SCOPED = {
-    # no_sync's gradients held on the replicas until the wrapper folds them into the originals
+    # no_sync's gradients held on the replicas until the wrapper folds them into the originals:
+    # the cycle that holds them and the wrapper that folds them; the replica set, which also
+    # renews what a live graph needs (never "pending"), only names its no_sync calls
     "pending": (
         {"pending"},
-        ["fastdp/_reducer.py", "fastdp/_replica_set.py", "fastdp/data_parallel.py"],
-        {},
+        ["fastdp/_no_sync.py", "fastdp/data_parallel.py"],
+        {"fastdp/_replica_set.py": {"holds_pending", "drop_pending"}},
     ),
-    # prepare_replicas arms the replicas' SyncBatchNorm: one rendezvous for its block's launches.
-    # ``Reducer.arm`` (readying the bucket nodes for a step) is renamed by the no_sync cycle's own
-    # restructuring, which owns both files (DDP's ``prepare_for_backward``).
-    "arm": (
-        {"arm", "arms", "armed", "arming"},
-        ["fastdp/sync_batchnorm.py"],
-        {"fastdp/_reducer.py": {"arm"}, "fastdp/_replica_set.py": {"arm"}},
-    ),
+    # prepare_replicas arms the replicas' SyncBatchNorm: one rendezvous for its block's launches
+    "arm": ({"arm", "arms", "armed", "arming"}, ["fastdp/sync_batchnorm.py"], {}),
     # one call per replica (or ZeRO owner) run at once, and how (threads, inline, auto); CUDA's
     # kernel launches keep torch's name
     "launch": (
@@ -157,7 +153,10 @@ def test_each_word_keeps_its_one_meaning():
         ("csrc/bindings.cpp", "fastdp::StageRows r = fastdp::stage_rows(s);\n", 0),
         ("csrc/bindings.cpp", "HostCopyPlan p;\n", 1),
         ("csrc/cuda/gather_cuda.cu", "std::vector<Pending> pending;\n", 2),
-        ("fastdp/_reducer.py", "def take_pending(self): pass\n", 0),
+        ("fastdp/_no_sync.py", "def take_pending(self): pass\n", 0),
+        ("fastdp/_reducer.py", "class Pending: pass\n", 1),
+        ("fastdp/_replica_set.py", "def drop_pending(self): self.pending_graph = 1\n", 1),
+        ("fastdp/_reducer.py", "def arm(self): pass\n", 1),
         ("fastdp/_buckets.py", "armed = launch_order = 1\n", 2),
         ("fastdp/sync_batchnorm.py", "self.armed = launch_number()\n", 0),
         ("csrc/cuda/multi_copy.cu", "C10_CUDA_KERNEL_LAUNCH_CHECK();\n", 0),

@@ -25,7 +25,7 @@ namespace {
 // by a non_blocking copy on that stream is read after it lands, and a capture replays the current
 // bytes; torch's host allocator records the stream on the source's block. Host writes into the
 // source after the call race with the DMA, as they do with torch's non_blocking copies. Pageable
-// chunks cannot be the target of a pending copy: they are packed on the host now and sent on the
+// chunks cannot be the target of a copy in flight: they are packed on the host now and sent on the
 // device's copy stream, which the current stream waits on (an event); under capture they are
 // refused (a host copy is not replayed).
 
