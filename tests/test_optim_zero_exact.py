@@ -41,6 +41,23 @@ def test_five_steps_on_an_accelerator_equal_the_unsharded_optimizer(kind, arch, 
 
 @pytest.mark.parametrize("kind", ACCELERATORS)
 @pytest.mark.parametrize("launch", LAUNCHES)
+def test_no_sync_micro_steps_on_an_accelerator(kind, launch):
+    twin = Twin("transformer", "adamw_single", launch=launch, kind=kind)
+    for _ in range(2):
+        for o in twin.opts:
+            o.zero_grad()
+        x = twin.batch()
+        for m in twin.models:
+            with m.no_sync():
+                m(x).sum().backward()
+        twin.backward()
+        for o in twin.opts:
+            o.step()
+    twin.assert_same()
+
+
+@pytest.mark.parametrize("kind", ACCELERATORS)
+@pytest.mark.parametrize("launch", LAUNCHES)
 def test_owners_step_on_the_callers_side_stream(kind, launch):
     """Gradients written by non-blocking copies still queued on the caller's side stream (on
     the test device: asynchronous mode) are what every owner steps with, on its worker too."""
