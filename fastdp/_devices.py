@@ -67,3 +67,50 @@ def public_id(dev: torch.device) -> int | torch.device:
     """DataParallel's public form: an accelerator's index as an int, the CPU as
     torch.device('cpu')."""
     return dev if dev.type == "cpu" else dev.index
+
+
+def current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream of ``device`` (None on the CPU): ``torch.cuda``'s on
+    CUDA, ``torch.accelerator``'s on any other accelerator."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return torch.accelerator.current_stream(device)
+
+
+def use_stream(stream: Any) -> Any:
+    """A context in which ``stream`` (and its device) is current on the calling thread."""
+    return torch.cuda.stream(stream) if stream.device.type == "cuda" else stream
+
+
+def new_stream(device: torch.device) -> Any:
+    """A stream of its own on an accelerator device."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device)
+    return torch.Stream(device=device)
+
+
+def new_event(device: torch.device) -> Any:
+    """An event to record on a stream of ``device`` (an accelerator's)."""
+    return torch.cuda.Event() if device.type == "cuda" else torch.Event(device=device)
+
+
+_NO_RECORD_STREAM: set[str] = set()
+
+
+def record_stream(t: torch.Tensor, stream: Any) -> bool:
+    """``t.record_stream(stream)``: its memory is not reused before ``stream``'s work queued so
+    far ran. False on an accelerator without it (the caller then holds ``t`` until an event
+    recorded on ``stream`` completes)."""
+    kind = t.device.type
+    if kind in _NO_RECORD_STREAM:
+        return False
+    try:
+        t.record_stream(stream)
+    except NotImplementedError:
+        if kind == "cuda":
+            raise
+        _NO_RECORD_STREAM.add(kind)
+        return False
+    return True

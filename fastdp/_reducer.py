@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from fastdp import _backend, _torch_private
+from fastdp import _backend, _devices, _torch_private
 from fastdp._buckets import assign_buckets
 from fastdp._buckets import nbytes as tensor_bytes
 from fastdp._transports import count, transport_for
@@ -367,8 +367,8 @@ def link_bucket(
 
 
 def _stream_of(device: torch.device) -> Any:
-    """The current stream of ``device`` that a node made now would run on (None: not CUDA)."""
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+    """The current stream of ``device`` that a node made now would run on (None: the CPU)."""
+    return _devices.current_stream(device)
 
 
 _VERSION = operator.attrgetter("_version")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from fastdp import _devices
 from fastdp._buckets import nbytes
 from fastdp._devices import as_devices
 from fastdp.data_parallel import live_wrappers
@@ -34,7 +35,7 @@ class Shard:
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, master)
         self.load = 0  # bytes of the trainable parameters owned
         self.copies_made = {"values_in": 0, "grads_in": 0, "values_out": 0}  # across devices
-        self.side: Any = None  # this owner's stream on the originals' CUDA device, made lazily
+        self.side: Any = None  # this owner's stream on the originals' device, made lazily
 
     def key(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor this owner's optimizer holds for original ``p``."""
@@ -59,7 +60,7 @@ class Shard:
             with ExitStack() as stack:
                 streams = self._own_side(list(streams), stack)
                 for stream in streams:
-                    stack.enter_context(torch.cuda.stream(stream))
+                    stack.enter_context(_devices.use_stream(stream))
                 self._copy_in()
                 self.optimizer.step()
                 self._copy_out()
@@ -68,21 +69,21 @@ class Shard:
         return None
 
     def _own_side(self, streams: list[Any], stack: ExitStack) -> list[Any]:
-        """With masters on another CUDA device: the originals' side of this owner's copies on a
-        stream of its own (a torch copy between devices runs on the source's current stream),
-        after the caller's work there, which waits for it when the step ends."""
+        """With masters on another accelerator device: the originals' side of this owner's copies
+        on a stream of its own (a torch copy between devices runs on the source's current
+        stream), after the caller's work there, which waits for it when the step ends."""
         if not (self.copies and self.pairs and len(streams) == 2):
             return streams
         home = streams[0]
         if self.side is None:
-            self.side = torch.cuda.Stream(home.device)
-        ready = torch.cuda.Event()
+            self.side = _devices.new_stream(home.device)
+        ready = _devices.new_event(home.device)
         ready.record(home)
         self.side.wait_event(ready)
         stack.callback(home.wait_stream, self.side)
-        for p, _ in self.pairs:
-            if p.grad is not None:
-                p.grad.record_stream(self.side)
+        for p, _ in self.pairs:  # without record_stream: the home stream's wait_stream orders
+            if p.grad is not None:  # the caller's later writes after the side stream's reads
+                _devices.record_stream(p.grad, self.side)
         return [self.side, streams[1]]
 
     def _copy_in(self) -> None:
@@ -146,7 +147,7 @@ def move(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tensor]) -> None
         offsets.append(at)
         at += raw.numel() + pad
     to = dests[0].device
-    flat = torch.cat(pieces).to(to, non_blocking=to.type == "cuda")
+    flat = torch.cat(pieces).to(to, non_blocking=to.type != "cpu")
     views = [
         flat[o : o + d.numel() * d.element_size()].view(d.dtype).view(d.shape)
         for o, d in zip(offsets, dests)

@@ -23,6 +23,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.nn import Module, SyncBatchNorm
 
+from fastdp import _devices
 from fastdp._runners import ReplicaAborted, current_launch, launch_number
 
 __all__ = ["CallbackContext", "prepare_replicas", "replicas_meet"]
@@ -58,6 +59,7 @@ class _Rendezvous:
         self.failed: tuple[int, BaseException] | None = None
         self.armed = launch_number()  # launches numbered below it started before the block
         self.closed: int | None = None  # launch_number() when the block was left
+        self.held: list[tuple[Any, list[torch.Tensor]]] = []  # see _collect
 
     def finish(self, rank: int, exc: BaseException | None) -> None:
         with self.cond:
@@ -78,6 +80,9 @@ class _Rendezvous:
             self.closed = launch_number()
             self.slots, self.failed = {}, None  # nothing kept alive by forwards left in place
             self.cond.notify_all()
+            held, self.held = self.held, []
+        for event, _ in held:
+            event.synchronize()
             return all(self.done)
 
     def exchange(self, key: tuple[int, int], rank: int, payload: Any) -> list[Any]:
@@ -142,11 +147,11 @@ class _Rendezvous:
         else:
             var = mean = xs.new_zeros(x.size(1))
         event = None
-        if x.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(x.device))
+        if x.device.type != "cpu":
+            event = _devices.new_event(x.device)
+            event.record(_devices.current_stream(x.device))
         means, vars_, counts = _collect(
-            self.exchange(key, rank, (mean, var, count, event)), x.device
+            self.exchange(key, rank, (mean, var, count, event)), x.device, self.held
         )
         total = sum(counts)
         if total <= 1:
@@ -165,19 +170,31 @@ class _Rendezvous:
         return _BatchNormElemt.apply(x, g_mean, torch.rsqrt(g_var + eps), weight, bias)
 
 
-def _collect(payloads: list[Any], dev: torch.device) -> tuple[list, list, list[int]]:
+def _collect(
+    payloads: list[Any], dev: torch.device, held: list[tuple[Any, list[torch.Tensor]]]
+) -> tuple[list, list, list[int]]:
+    """Every replica's statistics on ``dev``. On an accelerator the reads are ordered after each
+    producer's stream (its event) and the producers' memory stays alive until the reading stream
+    ran them: ``record_stream``, or where the accelerator has none, a reference in ``held`` with
+    an event recorded after the reads (the meeting's ``close`` waits for it)."""
     means, vars_, counts = [], [], []
     for mean, var, count, event in payloads:
-        if event is not None:  # CUDA: order after the producer's stream, keep memory alive
-            stream = torch.cuda.current_stream(dev)
+        reader = None
+        if event is not None:
+            stream = _devices.current_stream(dev)
             stream.wait_event(event)
-            # the stream that reads: torch copies between GPUs on the source's current stream
-            reader = stream if mean.device == dev else torch.cuda.current_stream(mean.device)
-            mean.record_stream(reader)
-            var.record_stream(reader)
+            # the stream that reads: torch copies between devices on the source's current stream
+            reader = stream if mean.device == dev else _devices.current_stream(mean.device)
+            if _devices.record_stream(mean, reader):
+                var.record_stream(reader)
+                reader = None
         means.append(mean.to(dev))
         vars_.append(var.to(dev))
         counts.append(count)
+        if reader is not None:
+            done = _devices.new_event(mean.device)
+            done.record(reader)
+            held.append((done, [mean, var]))
     return means, vars_, counts
 
 

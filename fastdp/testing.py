@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,8 +17,13 @@ from fastdp._backend import DTYPES  # noqa: F401  (the tests import it from here
 HAS_CUDA = torch.cuda.is_available()
 NUM_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
 
+# The test device (tests/accel) under FASTDP_TEST_ACCEL=1: tests/conftest.py enables it for the
+# process (three devices, asynchronous) and its kind joins DEVICE_KINDS, replicas on distinct
+# devices. Run with ``-k fdpaccel`` (the CPU kinds' tests assume no accelerator).
+ACCEL = "fdpaccel" if os.environ.get("FASTDP_TEST_ACCEL") == "1" else None
+ACCEL_DEVICES = 3
 # Where multi-replica tests run: CPU virtual replicas always, replicas sharing cuda:0 when present.
-DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+DEVICE_KINDS = ["cpu"] + (["cuda"] if HAS_CUDA else []) + ([ACCEL] if ACCEL else [])
 CPU = torch.device("cpu")
 CPU2 = ["cpu", "cpu"]  # device_ids of two CPU replicas
 BACKENDS = ["ext", "torch"]
@@ -45,18 +51,21 @@ onlyMultiGPUExt = pytest.mark.skipif(not EXT_CUDA or NUM_GPUS < 2, reason="needs
 
 
 def replica_ids(kind: str, n: int) -> list[Any]:
-    """``n`` replicas of one kind: ``['cpu'] * n`` or ``[0] * n`` (replicas sharing cuda:0)."""
-    return ["cpu"] * n if kind == "cpu" else [0] * n
+    """``n`` replicas of one kind: ``['cpu'] * n``, ``[0] * n`` (replicas sharing cuda:0), or on
+    the test device its distinct devices in turn (``[0, 1, 2, 0, ...]``)."""
+    if kind == "cpu":
+        return ["cpu"] * n
+    return [0] * n if kind == "cuda" else [i % ACCEL_DEVICES for i in range(n)]
 
 
 def home(devices: Sequence[Any]) -> torch.device:
     """The device of ``devices[0]`` (an id list): where the module and the inputs live."""
     d = devices[0]
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    return torch.device(ACCEL or "cuda", d) if isinstance(d, int) else torch.device(d)
 
 
 def device_of(kind: str) -> torch.device:
-    return torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
+    return torch.device("cpu") if kind == "cpu" else torch.device(kind, 0)
 
 
 def worker_threads() -> list[threading.Thread]:

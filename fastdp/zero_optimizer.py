@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from fastdp import _devices
 from fastdp._buckets import cpu_distinct, nbytes
 from fastdp._workers import WorkerPool
 from fastdp._zero_shards import Shard, ShardedState, bind, check_arguments, devices_for
@@ -305,10 +306,10 @@ class ZeroRedundancyOptimizer(Optimizer):
 
 
 def _caller_streams(home: torch.device, device: torch.device) -> list[Any]:
-    """The caller's current CUDA streams of the originals' device and of an owner's (none on
-    the CPU): the owner's copies and step run on them, ordered with the caller's work."""
+    """The caller's current streams of the originals' device and of an owner's (none on the
+    CPU): the owner's copies and step run on them, ordered with the caller's work."""
     devices = [home] if home == device else [home, device]
-    return [torch.cuda.current_stream(d) for d in devices if d.type == "cuda"]
+    return [_devices.current_stream(d) for d in devices if d.type != "cpu"]
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from fastdp import _backend
-from fastdp.testing import BACKENDS, set_backend
+from fastdp.testing import ACCEL, BACKENDS, set_backend
+
+if ACCEL:  # FASTDP_TEST_ACCEL=1: the test device for the whole process, before any backward
+    import accel
+
+    accel.enable(3, asynchronous=True)
 
 # NOTE [ Tests under each launch strategy ]
 # The files that exercise replicas end to end (parity, persistent, stateful, faults, upstream,

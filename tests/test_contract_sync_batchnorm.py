@@ -16,7 +16,7 @@ from torch.testing import assert_close
 import fastdp
 from fastdp import sync_batchnorm
 from fastdp.sync_batchnorm import replicas_meet as must_run_together
-from fastdp.testing import replica_ids, withCUDA
+from fastdp.testing import device_of, replica_ids, withCUDA
 
 
 def _cnn():
@@ -53,7 +53,7 @@ def _assert_same_state(a, b):
 )
 def test_training_steps_equal_whole_batch_batchnorm(kind, n, split):
     sync, ref = _sync_and_ref(_cnn())
-    dev = "cpu" if kind == "cpu" else "cuda:0"
+    dev = device_of(kind)
     sync.to(dev)
     ref.to(dev)
     fdp = fastdp.FastDataParallel(sync, replica_ids(kind, n), **split)

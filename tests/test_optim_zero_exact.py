@@ -11,8 +11,12 @@ import torch
 from zero_helpers import OPTIMIZERS, Twin, assert_state_dicts_equal
 
 import fastdp
+from fastdp.testing import DEVICE_KINDS
 
 LAUNCHES = ["threads", "inline", "auto"]
+# An accelerator's replicas: sharing cuda:0, or the test device's distinct devices
+# (FASTDP_TEST_ACCEL=1, asynchronous).
+ACCELERATORS = DEVICE_KINDS[1:]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
@@ -24,6 +28,52 @@ def test_five_steps_equal_the_unsharded_optimizer(storage, opt, arch, launch):
     twin.assert_same()
     owners = {twin.zero.owner_of(p) for p in twin.nets[0].parameters()}
     assert len(owners) >= 3  # contiguous runs: one dominant tensor may leave one index empty
+
+
+@pytest.mark.parametrize("kind", ACCELERATORS)
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("arch", ["mlp", "cnn_bn"])
+def test_five_steps_on_an_accelerator_equal_the_unsharded_optimizer(kind, arch, launch):
+    twin = Twin(arch, "adamw_foreach", launch=launch, kind=kind)
+    twin.train(5)
+    twin.assert_same()
+
+
+@pytest.mark.parametrize("kind", ACCELERATORS)
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_no_sync_micro_steps_on_an_accelerator(kind, launch):
+    twin = Twin("transformer", "adamw_single", launch=launch, kind=kind)
+    for _ in range(2):
+        for o in twin.opts:
+            o.zero_grad()
+        x = twin.batch()
+        for m in twin.models:
+            with m.no_sync():
+                m(x).sum().backward()
+        twin.backward()
+        for o in twin.opts:
+            o.step()
+    twin.assert_same()
+
+
+@pytest.mark.parametrize("kind", ACCELERATORS)
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_owners_step_on_the_callers_side_stream(kind, launch):
+    """Gradients written by non-blocking copies still queued on the caller's side stream (on
+    the test device: asynchronous mode) are what every owner steps with, on its worker too."""
+    twin = Twin("mlp", "sgd_momentum", launch=launch, kind=kind)
+    twin.backward()
+    side = torch.Stream(device=twin.device)
+    params = [p for net in twin.nets for p in net.parameters()]
+    pinned = [p.grad.cpu().pin_memory() for p in params]
+    with side:
+        for p, g in zip(params, pinned):
+            p.grad = g.to(twin.device, non_blocking=True)
+        for o in twin.opts:
+            o.step()
+    torch.accelerator.synchronize()
+    twin.assert_same()
+    assert all(torch.isfinite(p).all() for p in twin.nets[0].parameters())
 
 
 class Lion(torch.optim.Optimizer):

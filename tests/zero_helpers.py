@@ -12,6 +12,7 @@ import torch
 from models import ARCHS
 
 import fastdp
+from fastdp.testing import device_of, replica_ids
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
@@ -33,13 +34,15 @@ class Twin:
         persistent: bool = True,
         seed: int = 0,
         params: Callable[[torch.nn.Module], Any] = lambda m: m.parameters(),
+        kind: str = "cpu",
     ) -> None:
         factory, self.make_input, _ = ARCHS[arch]
         torch.manual_seed(seed)
-        net = factory()
+        self.device = device_of(kind)
+        net = factory().to(self.device)
         self.nets = [net, copy.deepcopy(net)]
         self.models = [
-            fastdp.FastDataParallel(m, ["cpu"] * n, launch=launch, persistent=persistent)
+            fastdp.FastDataParallel(m, replica_ids(kind, n), launch=launch, persistent=persistent)
             for m in self.nets
         ]
         cls, kw = OPTIMIZERS[opt] if isinstance(opt, str) else opt
@@ -58,7 +61,7 @@ class Twin:
         torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=self.gen)))
         x = self.make_input(b)
         torch.set_rng_state(state)
-        return x
+        return x.to(self.device)
 
     def backward(self, b: int = 8, x: torch.Tensor | None = None) -> None:
         """One forward and backward of the same batch through both models."""

@@ -242,3 +242,32 @@ def test_a_model_split_over_two_devices_trains_as_on_cpu(mode):
     got = train(split, batches, dev(2))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class Layers(torch.nn.Module):
+    """The layers whose ops torch routes to a backend's own kernels (convolutions, batch norm's
+    running statistics, the fused RNN cells), not to the CPU fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(3, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.lstm = torch.nn.LSTM(4, 4, batch_first=True)
+        self.gru = torch.nn.GRU(4, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.bn(self.conv(x)).transpose(1, 2)
+        return self.gru(self.lstm(h)[0])[0].sum(1)
+
+
+def test_convolution_batch_norm_and_rnn_layers_train_as_on_cpu(mode):
+    torch.manual_seed(0)
+    model = Layers().double()
+    batches = [(torch.randn(5, 3, 7).double(), torch.randn(5, 2).double()) for _ in range(3)]
+    ref = copy.deepcopy(model)
+    want = train(ref, batches, "cpu")
+    on = copy.deepcopy(model).to(dev(1))
+    got = train(on, batches, dev(1))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(on.bn.running_mean.cpu(), ref.bn.running_mean)

@@ -207,6 +207,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("unfold", &at::native::unfold);
   m.impl("view_as_real", &at::native::view_as_real);
   m.impl("view_as_complex", &at::native::view_as_complex);
+  m.impl("convolution_overrideable", &fdpaccel::convolution);
+  m.impl("convolution_backward_overrideable", &fdpaccel::convolution_backward);
+  m.impl("native_batch_norm", &fdpaccel::native_batch_norm);
+}
+
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_thnn_fused_lstm_cell", &fdpaccel::fused_lstm_cell);
+  m.impl("_thnn_fused_gru_cell", &fdpaccel::fused_gru_cell);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

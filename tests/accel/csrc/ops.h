@@ -162,4 +162,86 @@ inline void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
 }
 
+// Convolutions reach a backend outside torch's own as the *_overrideable ops, which have no CPU
+// kernel for the fallback to call: they run here on host copies through torch's CPU convolution.
+inline at::Tensor host(const at::Tensor& t, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(t.device() == like.device(), "Expected all tensors to be on the same device, but ",
+              "found at least two devices, ", like.device(), " and ", t.device(), " (", what, ")");
+  return t.cpu();
+}
+
+inline at::Tensor back(const at::Tensor& t, c10::Device device) {
+  return t.defined() ? t.to(device) : t;
+}
+
+inline at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                              at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+                              at::IntArrayRef output_padding, int64_t groups) {
+  c10::DeviceGuard on(input.device());
+  std::optional<at::Tensor> b;
+  if (bias && bias->defined()) b = host(*bias, input, "convolution bias");
+  return back(at::convolution(input.cpu(), host(weight, input, "convolution weight"), b, stride,
+                              padding, dilation, transposed, output_padding, groups),
+              input.device());
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+    at::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  c10::DeviceGuard on(input.device());
+  const std::vector<int64_t> bias_sizes{weight.size(transposed ? 1 : 0) * (transposed ? groups : 1)};
+  auto [gi, gw, gb] = at::convolution_backward(
+      host(grad_output, input, "convolution grad"), input.cpu(),
+      host(weight, input, "convolution weight"), bias_sizes, stride, padding, dilation,
+      transposed, output_padding, groups, output_mask);
+  return {back(gi, input.device()), back(gw, input.device()), back(gb, input.device())};
+}
+
+// native_batch_norm writes the running statistics without declaring them mutable in its schema,
+// so the fallback would not copy them back: it runs here, on host copies written back.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps) {
+  c10::DeviceGuard on(input.device());
+  auto opt = [&](const std::optional<at::Tensor>& t, const char* what) {
+    return t && t->defined() ? std::optional<at::Tensor>(host(*t, input, what)) : std::nullopt;
+  };
+  std::optional<at::Tensor> mean = opt(running_mean, "running_mean");
+  std::optional<at::Tensor> var = opt(running_var, "running_var");
+  auto [out, save_mean, save_invstd] = at::native_batch_norm(
+      input.cpu(), opt(weight, "weight"), opt(bias, "bias"), mean, var, training, momentum, eps);
+  if (training && mean) running_mean->copy_(*mean);
+  if (training && var) running_var->copy_(*var);
+  return {back(out, input.device()), back(save_mean, input.device()),
+          back(save_invstd, input.device())};
+}
+
+// The fused RNN cells torch calls for any device but the CPU have kernels for CUDA only: here
+// they are composites of differentiable ops (registered for autograd, which records those ops).
+inline at::Tensor gates(const at::Tensor& gates, const std::optional<at::Tensor>& bias) {
+  return bias && bias->defined() ? gates + *bias : gates;
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
+    const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& cx,
+    const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias) {
+  const at::Tensor all = gates(input_gates, input_bias) + gates(hidden_gates, hidden_bias);
+  const std::vector<at::Tensor> c = all.chunk(4, 1);
+  const at::Tensor cy = c[1].sigmoid() * cx + c[0].sigmoid() * c[2].tanh();
+  return {c[3].sigmoid() * cy.tanh(), cy, all};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> fused_gru_cell(
+    const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& hx,
+    const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias) {
+  const std::vector<at::Tensor> i = gates(input_gates, input_bias).chunk(3, 1);
+  const std::vector<at::Tensor> h = gates(hidden_gates, hidden_bias).chunk(3, 1);
+  const at::Tensor reset = (h[0] + i[0]).sigmoid(), update = (h[1] + i[1]).sigmoid();
+  const at::Tensor fresh = (i[2] + h[2] * reset).tanh();
+  return {(hx - fresh) * update + fresh, reset};
+}
+
 }  // namespace fdpaccel
