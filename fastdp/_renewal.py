@@ -22,8 +22,9 @@ class Renew(enum.IntEnum):
 # tell (``linked`` False), and a graph no node tracks (``untracked``) may have saved anything.
 # Copy replicas are refilled every step, so a live graph forces their tensors afresh; replicas
 # that alias the originals are renewed only where the nodes cannot serve again. A micro-step
-# runs on the cycle's leaves: mid-cycle, fresh tensors get fresh leaves (the old keep what that
-# graph owes them), and tensors aliasing the originals are left as they are.
+# runs on the cycle's leaves: mid-cycle (a step outside included: a no_grad forward), fresh copy
+# tensors get fresh leaves (the old keep what that graph owes them), and tensors aliasing the
+# originals are left as they are.
 def renewal(
     *,
     tainted: bool,
@@ -55,6 +56,8 @@ def renewal(
         return Renew.ALL if copy_replicas else Renew.BUFFERS
     if not (alive or untracked):
         return Renew.NOTHING
-    if copy_replicas or not linked or untracked:
+    if copy_replicas:  # and a cycle's leaves: the next micro-step refills the new tensors
+        return Renew.ALL
+    if not linked or untracked:
         return Renew.TENSORS
     return Renew.BUFFERS

@@ -314,3 +314,40 @@ def test_frozen_model_two_forwards_with_batchnorm(storage):
     for g, h in zip(*grads):
         torch.testing.assert_close(g, h)
     _assert_same(dp.module, fresh.module)
+
+
+def _edit(dp, how):
+    with torch.no_grad():
+        for p in dp.module.parameters():
+            if how == "in_place":  # what an optimizer step does
+                p.mul_(0.5)
+            else:
+                p.data.clamp_(-0.2, 0.2) if how == "clamp" else p.data.mul_(0.5)
+
+
+@pytest.mark.usefixtures("launch", "backend")
+@pytest.mark.parametrize("how", ["mul", "clamp", "in_place"])
+def test_no_grad_forward_mid_cycle_then_an_edit(storage, how):
+    """A micro-step, a ``no_grad`` forward outside ``no_sync()`` while that micro-step's
+    backward is due, the backward, an edit of the parameters (``.data``, in place), the next
+    micro-step, then a synced step: the next micro-step sees the edit (copy replicas renew
+    their leaves with their tensors: NOTE [ no_sync ])."""
+    dp, fresh, _ = _pair(Normed())
+    torch.manual_seed(1)
+    xs = [torch.randn(6, D, dtype=torch.float64) for _ in range(4)]
+    for dp_ in (dp, fresh):
+        with dp_.no_sync():
+            a = dp_(xs[0])
+        with torch.no_grad():
+            e = dp_(xs[1])
+        a.pow(2).sum().backward()
+        _edit(dp_, how)
+        with dp_.no_sync():
+            b = dp_(xs[2])
+            b.pow(2).sum().backward()
+        c = dp_(xs[3])
+        c.sum().backward()
+        dp_.outs = (e, b, c)
+    for o, r in zip(dp.outs, fresh.outs):
+        torch.testing.assert_close(o, r)
+    _assert_same(dp.module, fresh.module)

@@ -9,11 +9,12 @@ training loop's operations: steps with ``backward``, ``retain_graph=True`` and t
 ``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without ``zero_grad``, second-order
 steps (a gradient penalty's backward through ``autograd.grad(create_graph=True)``, Hessian-vector
 products), ``no_sync()`` micro-steps (one or two forwards before the backward, replicas skipping
-the sparse embedding), ``.data`` edits between them, partial batches, a replica raising (an
-``Exception`` or a ``BaseException``), two threads calling one wrapper, optimizer steps (SGD, AdamW
-with weight decay), ``load_state_dict``, in-place edits, ``requires_grad`` toggles (also between
-``no_sync()`` micro-steps), a deep copy or save and load of the wrapper mid-run, train/eval and
-hooks on the originals (tensor and post-accumulate). Three runners (tests/oracle_runners.py) must
+the sparse embedding, a ``no_grad`` forward outside before the backward), ``.data`` edits between
+them, partial batches, a replica raising (an ``Exception`` or a ``BaseException``), two threads
+calling one wrapper, optimizer steps (SGD, AdamW with weight decay), ``load_state_dict``, in-place
+edits, ``requires_grad`` toggles (also between ``no_sync()`` micro-steps), a deep copy or save
+and load of the wrapper mid-run, train/eval and hooks on the originals (tensor and
+post-accumulate). Three runners (tests/oracle_runners.py) must
 agree after every operation: ``FastDataParallel`` with persistent replicas, with
 ``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk`` chunks. Compared:
 outputs, the type of any exception, every ``.grad`` (None or not, then values), ``autograd.grad``
@@ -258,6 +259,35 @@ class Oracle(RuleBasedStateMachine):
         if outs is not None:
             agree([o[0] for o in outs], "no_sync first output")
             agree([o[1] for o in outs], "no_sync second output")
+        self.pending = True
+
+    @precondition(
+        lambda self: (
+            "no_sync" not in LEFT_OUT
+            and "no_grad_forward" not in LEFT_OUT
+            and not self.hooked_checkpoint
+        )
+    )
+    @rule(b1=st.integers(1, 12), b2=st.integers(1, 12))
+    def no_sync_then_no_grad_forward(self, b1, b2):
+        """A micro-step whose backward runs after a ``no_grad`` forward outside ``no_sync()``
+        (an evaluation, a teacher's targets, in the middle of an accumulation)."""
+        x1, i1 = self.batch(b1)
+        x2, i2 = self.batch(b2)
+        w = torch.randn(len(x1), D, generator=self.gen, dtype=torch.float64)
+
+        def micro(r):
+            with r.no_sync():
+                a = r.forward(x1, i1)
+            with torch.no_grad():
+                e = r.forward(x2, i2, keep=True)
+            r.backward((a * w).sum())
+            return a, e
+
+        outs = self.each(micro)
+        if outs is not None:
+            agree([o[0] for o in outs], "no_sync output")
+            agree([o[1] for o in outs], "no-grad output")
         self.pending = True
 
     @precondition(lambda self: not self.post_hooked or self.launch == "inline")

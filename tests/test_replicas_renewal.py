@@ -31,13 +31,16 @@ TABLE = [
     ((1, _, _, _, _, _, _, _), ALL),  # a forward replaced or hooked what the replicas hold
     # a step outside no_sync: a live graph (or one no node tracks) keeps the old tensors
     ((0, 0, 0, 0, _, _, 0, _), NOTHING),
-    ((0, _, _, 1, _, _, 0, _), TENSORS),  # a graph no node tracks
+    # copy replicas are refilled: fresh tensors, and fresh leaves where a cycle holds them (a
+    # no_grad forward mid-cycle; the next micro-step refills the new tensors)
+    ((0, 1, _, _, _, 1, 0, _), ALL),
+    ((0, 0, 1, _, _, 1, 0, _), ALL),  # the same, for a micro-step's graph
+    ((0, 0, 0, 1, _, 1, 0, _), ALL),  # and a graph no node tracks
+    ((0, _, _, 1, _, 0, 0, _), TENSORS),  # a graph no node tracks
     ((0, 1, _, 0, 1, 0, 0, _), BUFFERS),  # the nodes serve again; replicas alias the originals
-    ((0, 1, _, 0, 1, 1, 0, _), TENSORS),  # copy replicas are refilled
-    ((0, 1, _, 0, 0, _, 0, _), TENSORS),  # no nodes made once: nothing can tell
+    ((0, 1, _, 0, 0, 0, 0, _), TENSORS),  # no nodes made once: nothing can tell
     ((0, 0, 1, 0, 1, 0, 0, _), BUFFERS),  # the same, for a micro-step's graph
-    ((0, 0, 1, 0, 1, 1, 0, _), TENSORS),
-    ((0, 0, 1, 0, 0, _, 0, _), TENSORS),
+    ((0, 0, 1, 0, 0, 0, 0, _), TENSORS),
     # a micro-step under no_sync (an untracked graph does not count)
     ((0, 0, 0, _, _, _, 1, _), NOTHING),
     ((0, 1, _, _, 1, 0, 1, 1), BUFFERS),  # the cycle's first: leaves on the tensors
