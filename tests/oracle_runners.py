@@ -2,13 +2,14 @@
 
 Each owns a deepcopy of one model and its own optimizers, and offers the same operations:
 ``forward``, ``backward``, ``grad`` (``torch.autograd.grad``), ``no_sync``, ``zero_grad``, ``step``,
-``round_trip`` (training goes on with a deep copy or a saved and loaded copy).
-``Wrapped`` runs a ``FastDataParallel`` (persistent or fresh replicas). ``Chunked`` is
-DataParallel's semantics by hand: each chunk runs through a fresh deepcopy of the model (a fresh
-replica: whatever a forward rebinds on it is gone by the next step); in-place writes of chunk 0's
-copy to tensors it still holds reach the originals (replica 0 shares their storage); gradients of
-the copies are summed into the originals' ``.grad``, through the hooks registered on the
-originals; parameters that need a gradient and got none get zeros (DataParallel's ``Broadcast``).
+``round_trip`` (training goes on with a deep copy or a saved and loaded copy). ``Wrapped`` runs a
+``FastDataParallel`` (persistent or fresh replicas). ``Chunked`` is DataParallel's semantics by
+hand: each chunk runs through a fresh deepcopy of the model on the chunk's device, its output
+gathered to the first (a fresh replica: whatever a forward rebinds on it is gone by the next step);
+in-place writes of chunk 0's copy to tensors it still holds reach the originals (replica 0 shares
+their storage); gradients of the copies are summed into the originals' ``.grad``, through the hooks
+registered on the originals; parameters that need a gradient and got none get zeros (DataParallel's
+``Broadcast``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from fastdp import FastDataParallel, ZeroRedundancyOptimizer
+from fastdp.testing import home
 
 
 def make_optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
@@ -82,19 +84,19 @@ class Runner:
 
 
 class Wrapped(Runner):
-    """A ``FastDataParallel`` over CPU replicas."""
+    """A ``FastDataParallel`` over ``devices`` (an id list; the model on the first)."""
 
     def __init__(
         self,
         model: nn.Module,
         opt: str,
-        n: int,
+        devices: list[Any],
         persistent: bool,
         cap_mb: float,
         launch: str | None,
     ) -> None:
         self.fdp = FastDataParallel(
-            model, ["cpu"] * n, persistent=persistent, bucket_cap_mb=cap_mb, launch=launch
+            model, devices, persistent=persistent, bucket_cap_mb=cap_mb, launch=launch
         )
         # the sharded optimizer is persistent state: the persistent runner alone runs it
         super().__init__(model, opt if persistent else opt.partition("+")[0])
@@ -157,9 +159,10 @@ class Wrapped(Runner):
 class Chunked(Runner):
     """DataParallel's semantics by hand (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, opt: str, n: int) -> None:
+    def __init__(self, model: nn.Module, opt: str, devices: list[Any]) -> None:
         super().__init__(model, opt.partition("+")[0])
-        self.n = n
+        self.n = len(devices)
+        self.devices = [home([d]) for d in devices]  # copy i runs on devices[i], chunk 0 at home
         self.live: list[dict] = []  # each copy's parameters as its forward found them
         self.hooks: dict[str, list] = {}
         self.post_hooks: dict[str, list] = {}  # run once a backward, on the accumulated .grad
@@ -175,14 +178,17 @@ class Chunked(Runner):
             self.live = []
         chunks = list(zip(x.chunk(self.n), idx.chunk(self.n)))
         copies = [copy.deepcopy(self.model) for _ in chunks]  # all before any chunk runs
+        for i, c in enumerate(copies[1:], 1):
+            c.to(self.devices[i])
         outs = []
         for i, ((xc, ic), c) in enumerate(zip(chunks, copies)):
+            xc, ic = xc.to(self.devices[i]), ic.to(self.devices[i])
             for p in c.parameters():
                 p.grad = None
             self.live.append(dict(c.named_parameters()))
             held = {n: (t, t.data_ptr()) for n, t in _tensors(c)} if i == 0 else None
             try:
-                outs.append(c(xc, ic))
+                outs.append(c(xc, ic).to(self.devices[0]))
             finally:
                 if held is not None:
                     self._write_back(c, held)
@@ -212,7 +218,7 @@ class Chunked(Runner):
         return [[c[n] for n in names] for c in self.live]
 
     def _total(self, name: str, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
-        grads = [g for g in grads if g is not None]
+        grads = [g.to(self.devices[0]) for g in grads if g is not None]
         if not grads:
             return None
         total = grads[0]

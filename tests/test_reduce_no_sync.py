@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fastdp
+from fastdp.testing import ACCEL, home, replica_ids
 
 SIZES = (8, 8, 8, 5)  # uneven last micro-batch
 
@@ -39,11 +40,13 @@ def _assert_grads_equal(net, ref):
         torch.testing.assert_close(_grad(p), _grad(q), msg=name)
 
 
-def _setup(n=2, bn=True):
+def _setup(n=2, bn=True, kind="cpu"):
+    """The module, its reference copy (both on the first replica's device) and the wrapper."""
     torch.manual_seed(0)
-    net = Net(bn)
+    ids = replica_ids(kind, n)
+    net = Net(bn).to(home(ids))
     ref = copy.deepcopy(net)
-    return net, ref, fastdp.FastDataParallel(net, device_ids=["cpu"] * n)
+    return net, ref, fastdp.FastDataParallel(net, device_ids=ids)
 
 
 def _ref_step(ref, x, n=2):
@@ -51,20 +54,25 @@ def _ref_step(ref, x, n=2):
         ref(c).pow(2).sum().backward()
 
 
-@pytest.fixture(params=["alias", "copy"])
+ON_ACCEL = pytest.mark.skipif(not ACCEL, reason="FASTDP_TEST_ACCEL=1")
+
+
+@pytest.fixture(params=["alias", "copy", pytest.param("fdpaccel", marks=ON_ACCEL)])
 def replica_storage(request, monkeypatch):
-    """Replicas aliasing the originals' storage (CPU) or holding copies (as on another GPU)."""
+    """Replicas aliasing the originals' storage (CPU), holding copies (as on another GPU), or on
+    the test device's distinct devices; the device kind to build them on."""
     monkeypatch.setenv("FASTDP_CPU_DISTINCT", "0" if request.param == "alias" else "1")
-    return request.param
+    return "fdpaccel" if request.param == "fdpaccel" else "cpu"
 
 
 def test_no_sync_equals_plain_accumulation_with_optimizer_steps(backend, replica_storage):
-    net, ref, dp = _setup()
+    net, ref, dp = _setup(kind=replica_storage)
+    dev = home(replica_ids(replica_storage, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.005, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.005, momentum=0.9)
     torch.manual_seed(1)
     for _cycle in range(3):
-        batches = [torch.randn(b, 8) for b in SIZES]
+        batches = [torch.randn(b, 8).to(dev) for b in SIZES]
         for i, x in enumerate(batches):
             if i < len(batches) - 1:
                 with dp.no_sync():
@@ -119,9 +127,9 @@ def test_no_sync_saves_one_reduction_per_micro_step(backend, use_no_sync):
 
 def test_no_sync_replica_leaves_persist_and_two_forwards_before_backward(replica_storage):
     # BatchNorm and forwards that renew the set: tests/test_reduce_no_sync_lifecycle.py
-    net, ref, dp = _setup(bn=False)
+    net, ref, dp = _setup(bn=False, kind=replica_storage)
     torch.manual_seed(1)
-    xs = [torch.randn(8, 8) for _ in range(3)]
+    xs = [torch.randn(8, 8).to(home(replica_ids(replica_storage, 1))) for _ in range(3)]
     with dp.no_sync():
         outs = [dp(x) for x in xs[:2]]  # two forwards, then one backward: no refresh in between
         leaves = [

@@ -4,17 +4,17 @@ A hypothesis state machine draws a model from a grammar of what real models do
 (tests/oracle_models.py: views, expands and transposes of parameters, tied, frozen, unused and
 partly used parameters, BatchNorm, GRU/LSTM, a sparse embedding, weight_norm, a channels_last conv,
 a reentrant checkpoint; forwards that write attributes, buffers, parameters, ``.data``, hooks and
-submodules), 2 to 4 CPU replicas, one bucket or many, a launch strategy and an optimizer; then a
-training loop's operations: steps with ``backward``, ``retain_graph=True`` and two backwards,
-``torch.autograd.grad``, ``backward(inputs=...)``, accumulation without ``zero_grad``, second-order
-steps (a gradient penalty's backward through ``autograd.grad(create_graph=True)``, Hessian-vector
-products), ``no_sync()`` micro-steps (one or two forwards before the backward, replicas skipping
-the sparse embedding, a ``no_grad`` forward outside before the backward), ``.data`` edits between
-them, partial batches, a replica raising (an ``Exception`` or a ``BaseException``), two threads
-calling one wrapper, optimizer steps (SGD, AdamW with weight decay), ``load_state_dict``, in-place
-edits, ``requires_grad`` toggles (also between ``no_sync()`` micro-steps), a deep copy or save
-and load of the wrapper mid-run, train/eval and hooks on the originals (tensor and
-post-accumulate). Three runners (tests/oracle_runners.py) must
+submodules), 2 to 4 replicas (CPU, or the test device's three devices in turn), one bucket or many,
+a launch strategy and an optimizer; then a training loop's operations: steps with ``backward``,
+``retain_graph=True`` and two backwards, ``torch.autograd.grad``, ``backward(inputs=...)``,
+accumulation without ``zero_grad``, second-order steps (a gradient penalty's backward through
+``autograd.grad(create_graph=True)``, Hessian-vector products), ``no_sync()`` micro-steps (one or
+two forwards before the backward, replicas skipping the sparse embedding, a ``no_grad`` forward
+outside before the backward), ``.data`` edits between them, partial batches, a replica raising (an
+``Exception`` or a ``BaseException``), two threads calling one wrapper, optimizer steps (SGD, AdamW
+with weight decay), ``load_state_dict``, in-place edits, ``requires_grad`` toggles (also between
+``no_sync()`` micro-steps), a deep copy or save and load of the wrapper mid-run, train/eval and
+hooks on the originals (tensor and post-accumulate). Three runners (tests/oracle_runners.py) must
 agree after every operation: ``FastDataParallel`` with persistent replicas, with
 ``persistent=False``, and DataParallel's semantics by hand on ``torch.chunk`` chunks. Compared:
 outputs, the type of any exception, every ``.grad`` (None or not, then values), ``autograd.grad``
@@ -23,7 +23,8 @@ runners take the persistent runner's values (summation order must not drift).
 
 With CPU replicas sharing the originals' storage (the default), an in-place parameter write in a
 forward lands once per replica (documented); the ``inplace_param`` feature runs only under
-``FASTDP_CPU_DISTINCT=1``, where replica 0's write alone must reach the originals.
+``FASTDP_CPU_DISTINCT=1`` and on the test device's distinct ids, where replica 0's write alone
+must reach the originals.
 
 Environment: ``FASTDP_ORACLE_EXAMPLES`` (programs per backend and storage mode; default 200,
 derandomized), ``FASTDP_ORACLE_STEPS`` (operations per program, default 10),
@@ -40,6 +41,7 @@ import os
 import pytest
 import torch
 from hypothesis import seed as hypothesis_seed
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -54,9 +56,12 @@ from oracle_models import EXIT, FAIL, FEATURES, SKIP, VOCAB, D, OracleNet, Repli
 from oracle_runners import Chunked, Wrapped
 
 from fastdp import _buckets
+from fastdp.testing import ACCEL, ACCEL_DEVICES, home, replica_ids
 
 
 class Oracle(RuleBasedStateMachine):
+    kind = "cpu"  # the replicas' device kind (fastdp.testing.DEVICE_KINDS)
+
     @initialize(
         feats=st.sets(st.sampled_from(FEATURES)),
         n=st.integers(2, 4),
@@ -67,8 +72,11 @@ class Oracle(RuleBasedStateMachine):
     )
     def build(self, feats, n, cap, launch, opt, seed):
         feats = frozenset(feats) - LEFT_OUT
-        if not _buckets.cpu_distinct():  # see the module docstring
+        shared = not _buckets.cpu_distinct() if self.kind == "cpu" else n > ACCEL_DEVICES
+        if shared:  # replicas sharing a device share the originals: see the module docstring
             feats -= {"inplace_param"}
+        if self.kind != "cpu":
+            feats -= ACCEL_LACKS
         if "checkpoint" in feats:  # DataParallel's replica tensors are not leaves: a hook
             feats -= {"hooks_in_forward"}  # there gets None from a nested backward
         self.feats, self.n, self.pending, self.launch = feats, n, False, launch
@@ -79,11 +87,13 @@ class Oracle(RuleBasedStateMachine):
         self.fresh_only = False
         self.hooked = False  # a hook on an original (tensor or post-accumulate)
         self.named_only = False  # the last backward named its inputs: see agree()
-        model = OracleNet(feats, seed)
+        devices = replica_ids(self.kind, n)
+        self.home = home(devices)
+        model = OracleNet(feats, seed).to(self.home)
         self.runners = [
-            Wrapped(copy.deepcopy(model), opt, n, True, cap, launch),
-            Wrapped(copy.deepcopy(model), opt, n, False, cap, launch),
-            Chunked(copy.deepcopy(model), opt, n),
+            Wrapped(copy.deepcopy(model), opt, devices, True, cap, launch),
+            Wrapped(copy.deepcopy(model), opt, devices, False, cap, launch),
+            Chunked(copy.deepcopy(model), opt, devices),
         ]
         self.gen = torch.Generator().manual_seed(seed)
 
@@ -124,10 +134,14 @@ class Oracle(RuleBasedStateMachine):
         if mark is not None:
             chunks = idx.chunk(self.n)
             chunks[chunk % len(chunks)][0] = mark
-        return x, idx
+        return x.to(self.home), idx.to(self.home)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        """float64 normal values from the machine's generator, on the model's device."""
+        return torch.randn(shape, generator=self.gen, dtype=torch.float64).to(self.home)
 
     def weights(self, out: torch.Tensor) -> torch.Tensor:
-        return torch.randn(out.shape, generator=self.gen, dtype=torch.float64)
+        return self.randn(*out.shape)
 
     def trainable(self) -> list[str]:
         return [n for n, p in self.runners[0].model.named_parameters() if p.requires_grad]
@@ -212,7 +226,7 @@ class Oracle(RuleBasedStateMachine):
             self.each(lambda r, g: r.backward(sum(t.pow(2).sum() for t in g if t is not None)), gs)
             return
         v = [torch.randn(self.runners[0].param(n).shape, generator=self.gen) for n in names]
-        v = [t.double() for t in v]
+        v = [t.double().to(self.home) for t in v]
         hv = self.each(lambda r, g: r.hvp(g, names, v), gs)
         for k, name in enumerate(names if hv else []):
             agree([h[k] for h in hv], f"Hessian-vector product of {name}", unreached_none=True)
@@ -221,7 +235,7 @@ class Oracle(RuleBasedStateMachine):
     @rule(b=st.integers(1, 12), skip=st.none() | st.integers(0, 3))
     def no_sync_micro_step(self, b, skip):
         x, idx = self.batch(b, None if skip is None else SKIP, skip or 0)
-        w = torch.randn(len(x), D, generator=self.gen, dtype=torch.float64)
+        w = self.randn(len(x), D)
 
         def micro(r):
             with r.no_sync():
@@ -245,8 +259,8 @@ class Oracle(RuleBasedStateMachine):
         D(fake), a loss over two batches)."""
         x1, i1 = self.batch(b1, None if skip is None else SKIP, skip or 0)
         x2, i2 = self.batch(b2)
-        w1 = torch.randn(len(x1), D, generator=self.gen, dtype=torch.float64)
-        w2 = torch.randn(len(x2), D, generator=self.gen, dtype=torch.float64)
+        w1 = self.randn(len(x1), D)
+        w2 = self.randn(len(x2), D)
 
         def micro(r):
             with r.no_sync():
@@ -274,7 +288,7 @@ class Oracle(RuleBasedStateMachine):
         (an evaluation, a teacher's targets, in the middle of an accumulation)."""
         x1, i1 = self.batch(b1)
         x2, i2 = self.batch(b2)
-        w = torch.randn(len(x1), D, generator=self.gen, dtype=torch.float64)
+        w = self.randn(len(x1), D)
 
         def micro(r):
             with r.no_sync():
@@ -301,8 +315,8 @@ class Oracle(RuleBasedStateMachine):
             self.each(lambda r: r.zero_grad(True))
         x1, i1 = self.batch(b1)
         x2, i2 = self.batch(b2)
-        w1 = torch.randn(len(x1), D, generator=self.gen, dtype=torch.float64)
-        w2 = torch.randn(len(x2), D, generator=self.gen, dtype=torch.float64)
+        w1 = self.randn(len(x1), D)
+        w2 = self.randn(len(x2), D)
 
         def step(r):
             a = r.forward(x1, i1)
@@ -411,7 +425,7 @@ class Oracle(RuleBasedStateMachine):
     @on("load_state_dict")
     @rule(seed=st.integers(0, 2**16), assign=st.booleans())
     def load_state_dict(self, seed, assign):
-        sd = OracleNet(self.feats, seed).state_dict()
+        sd = OracleNet(self.feats, seed).to(self.home).state_dict()
 
         def load(r):
             r.model.load_state_dict(copy.deepcopy(sd), assign=assign)
@@ -521,6 +535,12 @@ class Oracle(RuleBasedStateMachine):
             r.live = []
 
 
+# On the test device: FASTDP_ORACLE_ACCEL_EXAMPLES programs (default 100: CI's budget), without
+# what the device lacks: sparse tensors (the sparse embedding's gradient).
+ACCEL_EXAMPLES = int(os.environ.get("FASTDP_ORACLE_ACCEL_EXAMPLES", "100"))
+ACCEL_LACKS = frozenset({"sparse_emb"})
+
+
 if "FASTDP_ORACLE_SEED" in os.environ:
     hypothesis_seed(int(os.environ["FASTDP_ORACLE_SEED"]))(Oracle)
 
@@ -530,3 +550,16 @@ def test_persistent_fresh_and_chunked_agree(storage):
     """The machine under each backend (extension, pure torch) and storage mode (``alias``:
     CPU replicas on the originals' storage; ``distinct``: storage of their own)."""
     run_state_machine_as_test(Oracle, settings=SETTINGS)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param("fdpaccel", marks=pytest.mark.skipif(not ACCEL, reason="FASTDP_TEST_ACCEL=1"))],
+)
+@pytest.mark.usefixtures("backend")
+def test_persistent_fresh_and_chunked_agree_on_distinct_devices(kind):
+    """The machine on the test device (tests/accel, asynchronous): replicas on its three devices
+    in turn, the model and inputs on device 0, the chunked runner's copies on their chunks'
+    devices; ``ACCEL_EXAMPLES`` programs per backend."""
+    machine = type(f"Oracle_{kind}", (Oracle,), {"kind": kind})
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=ACCEL_EXAMPLES))
