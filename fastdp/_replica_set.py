@@ -457,6 +457,11 @@ class ReplicaSet:
         (``end_cycle``). A query."""
         return self._cycle.leaves() is not None
 
+    def awaits_micro_backward(self) -> bool:
+        """Whether a ``no_sync`` micro-step's graph has yet to run its backward (its reentrant
+        checkpoints then re-run these replicas on the leaves). A query."""
+        return self._cycle.awaits_backward()
+
     def drop_pending(self, zeros: bool = False) -> None:
         """``zero_grad()`` (the wrapper's): the gradients pending under ``no_sync`` go (see
         ``NoSyncCycle.drop_pending``)."""

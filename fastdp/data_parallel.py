@@ -275,6 +275,9 @@ class FastDataParallel(DataParallel):
                 return self._direct(self._callee(ctx, call)(*inputs[0], **module_kwargs[0]), plan)
             if not self._step_lock.acquire(blocking=False):  # NOTE [ Concurrent calls ]
                 return self._fresh_step(plan, inputs, module_kwargs, call)
+            if not torch.is_grad_enabled() and self._micro_backward_due():
+                self._step_lock.release()
+                return self._fresh_step(plan, inputs, module_kwargs, call)
             try:
                 replicas = self._replicate_step(plan, len(inputs))
                 outputs = self._launch_step(plan, replicas, inputs, module_kwargs, call)
@@ -299,6 +302,12 @@ class FastDataParallel(DataParallel):
                 replicas, inputs, kwargs, devs, launch="threads", method=method
             )
         return self._gather_step(plan, outputs, inputs, kwargs, call)
+
+    def _micro_backward_due(self) -> bool:
+        """A ``no_sync`` micro-step's backward has yet to run: a forward without grad meanwhile
+        runs on fresh replicas (DataParallel's algorithm), so the persistent ones stay on the
+        leaves that backward's reentrant checkpoints re-run on."""
+        return any(rs.awaits_micro_backward() for rs in self._pending_sets.values())
 
     def _start_step(self) -> None:
         self._comm.update(_ZERO_STATS)

@@ -351,3 +351,55 @@ def test_no_grad_forward_mid_cycle_then_an_edit(storage, how):
     for o, r in zip(dp.outs, fresh.outs):
         torch.testing.assert_close(o, r)
     _assert_same(dp.module, fresh.module)
+
+
+class DetachedCheckpoint(nn.Module):
+    """A reentrant checkpoint on a leaf input of its own (its recompute a nested backward that
+    runs after the other parameters' gradients) and a parameter viewed as a row."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ck, self.lin = nn.Linear(D, D), nn.Linear(D, D)
+        self.p = nn.Parameter(torch.randn(D))
+        self.double()
+
+    def forward(self, x):
+        h = x + checkpoint(
+            lambda t: torch.tanh(self.ck(t)), x.detach().requires_grad_(), use_reentrant=True
+        )
+        return h + torch.tanh(self.lin(h) + self.p.view(1, D))
+
+
+@pytest.mark.usefixtures("launch", "backend")
+@pytest.mark.parametrize("between", ["no_grad_outside", "no_grad_inside", "grad_outside"])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_a_forward_before_a_checkpointed_micro_steps_backward(storage, between, rows):
+    """A micro-step through a reentrant checkpoint, another forward before its backward
+    (``no_grad``, outside or inside ``no_sync()``; or a synced one, backward with it), then a
+    synced step: the checkpoint re-runs the replicas in that backward on the leaves its forward
+    used (a ``no_grad`` forward meanwhile runs on fresh replicas), so the outputs, gradients and
+    parameters equal ``persistent=False``'s."""
+    dp, fresh, _ = _pair(DetachedCheckpoint())
+    torch.manual_seed(1)
+    xs = [torch.randn(rows, D, dtype=torch.float64) for _ in range(3)]
+    for dp_ in (dp, fresh):
+        with dp_.no_sync():
+            a = dp_(xs[0])
+            if between == "no_grad_inside":
+                with torch.no_grad():
+                    e = dp_(xs[1])
+        if between == "no_grad_outside":
+            with torch.no_grad():
+                e = dp_(xs[1])
+        loss = a.pow(2).sum()
+        if between == "grad_outside":
+            e = dp_(xs[1])
+            loss = loss + e.sum()
+        loss.backward()
+        c = dp_(xs[2])
+        c.sum().backward()
+        dp_.outs = (a.detach(), e.detach(), c.detach())
+    for o, r in zip(dp.outs, fresh.outs):
+        torch.testing.assert_close(o, r)
+    _assert_same(dp.module, fresh.module)

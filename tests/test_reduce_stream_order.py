@@ -194,9 +194,11 @@ def test_sync_batchnorm_records_statistics_on_the_stream_that_reads_them(monkeyp
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     dev = torch.device("cuda", 0)
     payloads = [(FakeStat(f"cuda:{d}"), FakeStat(f"cuda:{d}"), 2, FakeEvent()) for d in (0, 1)]
-    means, _, counts = fastdp.sync_batchnorm._collect(payloads, dev)
+    held: list = []
+    means, _, counts = fastdp.sync_batchnorm._collect(payloads, dev, held)
     assert counts == [2, 2] and all(m.device == dev for m in means)
     for d, (mean, var, _, event) in enumerate(payloads):
         assert streams[dev].waited.count(event) == 1
         reader = streams[torch.device("cuda", d)]
         assert mean.read_on == [reader] and var.read_on == [reader], d
+    assert held == []  # CUDA records the streams: nothing held
